@@ -1,0 +1,1 @@
+"""app package of pdserve."""

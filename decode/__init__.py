@@ -1,0 +1,1 @@
+"""decode package of pdserve."""

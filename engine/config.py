@@ -1,0 +1,100 @@
+"""Frozen engine-internal configuration (pydantic lives at the app edge, not here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model directory holds an architecture or file layout we cannot serve."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling ("llama3") or plain position interpolation ("linear")."""
+
+    rope_type: str  # "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder, parsed from a HF `config.json`."""
+
+    architecture: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2: True)
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence we serve exactly (a sliding window caps it: we do full attention)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token across all layers."""
+        return (
+            2
+            * self.num_hidden_layers
+            * self.num_key_value_heads
+            * self.head_dim
+            * DTYPE_BYTES[self.dtype]
+        )
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache geometry. `num_blocks` is derived from a byte budget by the engine."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Per-step limits of the continuous-batching scheduler."""
+
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = 64  # running requests at once
+    long_prefill_token_threshold: int = 512  # a single prompt's chunk per step
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads; None = leave as is

@@ -1,0 +1,1 @@
+"""prefill package of pdserve."""
