@@ -110,8 +110,9 @@ class KVCache:
         """A CPU cache over an existing writable buffer (e.g. shared memory); no copy."""
         if len(buffer) < spec.total_bytes:
             raise ValueError(f"buffer of {len(buffer)} bytes < cache of {spec.total_bytes}")
-        flat = torch.frombuffer(buffer, dtype=spec.torch_dtype, count=spec.total_bytes
-                                // DTYPE_BYTES[spec.dtype])
+        flat = torch.frombuffer(
+            buffer, dtype=spec.torch_dtype, count=spec.total_bytes // DTYPE_BYTES[spec.dtype]
+        )
         return cls(spec, flat.view(spec.flat_shape))
 
     @property

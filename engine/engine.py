@@ -1,0 +1,236 @@
+"""The engine: scheduler + model runner + detokenizer behind a step function.
+
+One step is three calls: `scheduler.schedule()`, `runner.execute(...)`,
+`scheduler.update_from_output(...)`; then new tokens become text. Offline use goes through
+`generate`; servers drive `step` from their own thread (see `engine.async_engine`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from engine.builtin import resolve_model_dir
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import TORCH_DTYPES, KVCache, KVCacheSpec
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_model_config, load_state_dict, load_tokenizer
+from engine.model import CausalLM, LayerHook, RotaryEmbedding
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+
+Prompt = str | list[int]
+
+
+def load_model(model_config: ModelConfig, model_dir: str, device: torch.device) -> CausalLM:
+    """Build the model without random init and load the checkpoint's weights."""
+    dtype = TORCH_DTYPES[model_config.dtype]
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary = RotaryEmbedding(model_config, dtype).to(device)
+    model.load_hf_state_dict(load_state_dict(model_dir, model_config.dtype))
+    return model.eval()
+
+
+class Engine:
+    """A whole single-process LLM engine over a paged KV cache."""
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_dir = str(resolve_model_dir(config.model_dir))
+        self.model_config = load_model_config(self.model_dir, config.dtype)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model = load_model(self.model_config, self.model_dir, self.device)
+        self.kv_spec = KVCacheSpec.for_model(
+            self.model_config, config.cache.block_size, config.cache.kv_cache_bytes,
+            self.model_config.dtype,
+        )
+        if kv_cache is not None and kv_cache.spec != self.kv_spec:
+            raise ValueError(f"given KV cache {kv_cache.spec} != engine's {self.kv_spec}")
+        self.kv_cache = kv_cache or KVCache.allocate(self.kv_spec, self.device)
+        self.kv_manager = KVCacheManager(
+            self.kv_spec.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model: str | None = None, **overrides: object) -> Engine:
+        """An engine for a model directory (or built-in name) with default settings."""
+        config = replace(EngineConfig(model_dir=model or "tiny"), **overrides)  # type: ignore[arg-type]
+        return cls(config)
+
+    # ---- requests --------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        tenant: str = "",
+        priority: int = 0,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Validate and build a request (raises InvalidRequestError on bad input)."""
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length of {self.max_model_len}"
+            )
+        if self.kv_manager.num_blocks_for(total) > self.kv_spec.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {total} tokens of KV cache, more than this replica's "
+                f"{self.kv_spec.num_blocks * self.kv_spec.block_size}"
+            )
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=eos,
+            tenant=tenant,
+            priority=priority,
+            arrival_time=time.monotonic(),
+            prefill_only=prefill_only,
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request built by `make_request` for local prefill and decode."""
+        self.scheduler.add_request(request)
+        self._track(request)
+
+    def _track(self, request: Request) -> None:
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request in any state and free its blocks; returns its final delta."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        self._forget(request_id)
+        return self._delta(request, [], "", [])
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+        """Run one scheduler step; return a delta for every request that produced news."""
+        output = self.scheduler.schedule()
+        sampled = self.runner.execute(output, layer_hook)
+        before = {rid: self.scheduler.requests.get(rid) for rid in sampled}
+        finished = {r.request_id for r in self.scheduler.update_from_output(output, sampled)}
+        deltas = []
+        for request_id, (token_id, logprobs) in sampled.items():
+            request = before[request_id]
+            if request is None:
+                continue
+            deltas.append(self._emit(request, token_id, logprobs, request_id in finished))
+        return deltas
+
+    def _emit(
+        self,
+        request: Request,
+        token_id: int,
+        logprobs: dict[int, float] | None,
+        finished: bool,
+    ) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        update = detok.update([token_id])
+        text = update.text_delta
+        if update.finished and not finished:
+            request.stop_reason = update.stop_str
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        elif finished and update.stop_str is None:
+            text += detok.flush()
+        if finished:
+            self._forget(request.request_id)
+        return self._delta(request, [token_id], text, [logprobs] if logprobs else [])
+
+    def _delta(
+        self, request: Request, token_ids: list[int], text: str,
+        logprobs: list[dict[int, float]],
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            new_logprobs=logprobs,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._detokenizers.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    # ---- offline ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt (batched continuously); outputs in prompt order."""
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or one for all")
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            request = self.make_request(prompt, p)
+            results[request.request_id] = CompletionOutput(
+                request.request_id, list(request.prompt_token_ids)
+            )
+            order.append(request.request_id)
+            self.add_request(request)
+        bar = tqdm(total=len(order), desc="generate", disable=not progress, file=None)
+        while self.has_unfinished:
+            for delta in self.step():
+                results[delta.request_id].add(delta)
+                if delta.finished:
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
