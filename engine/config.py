@@ -92,8 +92,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model_dir: str
-    dtype: str = "float32"
+    model_dir: str  # a local HF directory, or a built-in name ("tiny", "small")
+    dtype: str | None = None  # None = the checkpoint's own dtype
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -34,7 +34,7 @@ import torch
 from engine.request import Request, SamplingParams
 
 _MAX_SEED = 0xFFFF_FFFF_FFFF_FFFF
-_TINY = torch.finfo(torch.float32).tiny
+_NUM_CANDIDATES = 256  # top-p looks at this many largest logits before a full sort
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -151,9 +151,9 @@ class Sampler:
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Full path on a float32 copy of the logits (modified in place). Returns `[num_seqs]`."""
     if batch.any_penalties:
-        _apply_penalties(logits, batch)
+        apply_penalties(logits, batch)
     if batch.any_min_tokens:
-        _apply_min_tokens(logits, batch)
+        apply_min_tokens(logits, batch)
     greedy_ids = logits.argmax(dim=-1)  # [num_seqs]
     if batch.all_greedy:
         return greedy_ids
@@ -165,20 +165,16 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if any(t != 1.0 for t in temperatures):
         logits.div_(torch.tensor(temperatures, dtype=torch.float32, device=device).unsqueeze(1))
 
-    vocab_size = logits.shape[1]
-    top_ks = [p.top_k if 0 < p.top_k < vocab_size and p.temperature > 0 else 0 for p in params]
-    top_ps = [p.top_p if p.top_p < 1.0 and p.temperature > 0 else 1.0 for p in params]
-    if any(p < 1.0 for p in top_ps):
-        _apply_top_k_top_p(logits, top_ks, top_ps)
-    elif any(top_ks):
-        _apply_top_k(logits, top_ks)
+    top_ks = [p.top_k if p.temperature > 0 else 0 for p in params]
+    top_ps = [p.top_p if p.temperature > 0 else 1.0 for p in params]
+    if any(top_ks) or any(p < 1.0 for p in top_ps):
+        apply_top_k_top_p(logits, top_ks, top_ps)
 
     probs = logits.softmax(dim=-1)  # [num_seqs, vocab_size]
     min_ps = [p.min_p if p.temperature > 0 else 0.0 for p in params]
     if any(min_ps):
-        min_p = torch.tensor(min_ps, dtype=torch.float32, device=device).unsqueeze(1)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p
-        probs.masked_fill_(probs < threshold, 0.0)
+        min_p = _column(min_ps, device)
+        probs.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p, 0.0)
 
     sampled = _exponential_race(probs, batch)
     if any(p.temperature == 0.0 for p in params):
@@ -188,57 +184,82 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """`argmax(probs / E)` per row, E ~ Exponential(1): an exact draw from each row of
-    (unnormalized) `probs`. Seeded rows draw E from their own generator."""
-    noise = torch.empty_like(probs)
-    unseeded = [
-        i
-        for i, (p, g) in enumerate(zip(batch.params, batch.generators, strict=True))
-        if g is None and p.temperature > 0.0
+    """`argmax(probs / E)` per row with E ~ Exponential(1) i.i.d. per token: an exact draw
+    from each row of (unnormalized) `probs`. E = -log(U), U ~ Uniform[0, 1), so E > 0 and
+    masked tokens (probability 0) never win. Seeded rows draw U from their own generator."""
+    sampled_rows = [
+        (row, generator)
+        for row, (params, generator) in enumerate(zip(batch.params, batch.generators, strict=True))
+        if params.temperature > 0.0
     ]
-    if unseeded:
-        noise.exponential_()  # one batched draw; seeded rows are overwritten below
+    noise = torch.empty_like(probs)  # [num_seqs, vocab_size]
+    if any(generator is None for _, generator in sampled_rows):
+        noise.uniform_()  # one batched draw; seeded rows are overwritten below
     else:
-        noise.fill_(1.0)  # greedy rows' noise is never used
-    for row, (params, generator) in enumerate(zip(batch.params, batch.generators, strict=True)):
-        if generator is not None and params.temperature > 0.0:
-            noise[row].exponential_(generator=generator)
-    # E == 0 would make 0 / 0 = NaN, which argmax treats as the maximum.
-    return probs.div_(noise.clamp_min_(_TINY)).argmax(dim=-1)
+        noise.fill_(0.5)  # greedy rows' noise is never used
+    for row, generator in sampled_rows:
+        if generator is not None:
+            noise[row].uniform_(generator=generator)
+    return probs.div_(noise.log_().neg_()).argmax(dim=-1)
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> None:
-    """Keep each row's top_k largest logits (0 = keep all); ties at the k-th value stay."""
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> None:
+    """Set to -inf, in place, every logit outside its row's top_k (0 = off) and then outside
+    its top_p nucleus (1.0 = off): the smallest prefix of the probability-sorted tokens whose
+    mass reaches top_p; the top token always stays. Exact under ties (selection is by sorted
+    position, not by threshold). `top_ks[i] >= vocab_size` counts as off.
+
+    Only the `_NUM_CANDIDATES` largest logits (or max top_k, if larger) are sorted, which is
+    exact whenever each row's kept set fits in them; otherwise it retries with the full sort.
+    """
+    vocab_size = logits.shape[1]
     device = logits.device
-    ks = torch.tensor(top_ks, device=device).unsqueeze(1)  # [num_seqs, 1]
-    top_values = logits.topk(max(top_ks), dim=-1).values  # [num_seqs, max_k], descending
-    kth = top_values.gather(1, (ks - 1).clamp_min(0))  # [num_seqs, 1]
-    kth.masked_fill_(ks == 0, float("-inf"))
-    logits.masked_fill_(logits < kth, float("-inf"))
+    top_ks = [k if 0 < k < vocab_size else 0 for k in top_ks]
+    rows = [i for i, (k, p) in enumerate(zip(top_ks, top_ps, strict=True)) if k or p < 1.0]
+    if not rows:
+        return
+    row_index = torch.tensor(rows, device=device)
+    sub = logits if len(rows) == len(top_ks) else logits.index_select(0, row_index)
+    ks = torch.tensor([top_ks[i] or vocab_size for i in rows], device=device).unsqueeze(1)
+    ps_list = [top_ps[i] for i in rows]
+    # 2.0, not 1.0, where top_p is off: float rounding can push the mass to 1 early.
+    ps = _column([p if p < 1.0 else 2.0 for p in ps_list], device) if min(ps_list) < 1.0 else None
+    max_k = max(top_ks[i] for i in rows)
+    # With top_k on in every row the kept set lies within the top max_k.
+    all_top_k = all(top_ks[i] for i in rows)
+    num_candidates = min(vocab_size, max_k if all_top_k else max(max_k, _NUM_CANDIDATES))
+    while True:
+        values, ids = sub.topk(num_candidates, dim=-1)  # [rows, num_candidates], descending
+        positions = torch.arange(num_candidates, device=device)
+        drop = positions >= ks  # [rows, num_candidates]
+        if ps is not None:
+            values_k = values.masked_fill(drop, float("-inf"))
+            # Normalize over the top_k set, or over the whole row where top_k is off.
+            log_norm = values_k.logsumexp(dim=-1, keepdim=True)
+            if not all_top_k:
+                log_norm = torch.where(ks < vocab_size, log_norm, sub.logsumexp(-1, keepdim=True))
+            probs = (values_k - log_norm).exp_()
+            mass_before = probs.cumsum(dim=-1).sub_(probs)  # exclusive prefix sum
+            drop |= mass_before >= ps
+            drop[:, 0] = False
+        # Both conditions only grow with position: a dropped last candidate drops the rest.
+        exact = num_candidates == vocab_size or bool((drop[:, -1:] | (ks <= num_candidates)).all())
+        if exact:
+            break
+        num_candidates = vocab_size
+    filtered = torch.full_like(sub, float("-inf"))
+    filtered.scatter_(1, ids, values.masked_fill_(drop, float("-inf")))
+    if sub is logits:
+        logits.copy_(filtered)
+    else:
+        logits.index_copy_(0, row_index, filtered)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> None:
-    """Mask, in place, everything outside each row's top_k and top_p nucleus (computed in
-    sorted order, exact under ties); 0 / 1.0 disable them."""
-    num_seqs, vocab_size = logits.shape
-    device = logits.device
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [num_seqs, vocab]
-    positions = torch.arange(vocab_size, device=device).expand(num_seqs, vocab_size)
-    ks = torch.tensor([k if k > 0 else vocab_size for k in top_ks], device=device)
-    drop = positions >= ks.unsqueeze(1)
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # exclusive prefix sum
-    # top_p = 1 must keep everything, even where float rounding pushes the sum to 1.
-    ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], device=device)
-    drop |= mass_before >= ps.unsqueeze(1)
-    drop[:, 0] = False
-    logits.masked_fill_(torch.empty_like(drop).scatter_(1, sorted_ids, drop), float("-inf"))
-
-
-def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """Repetition, frequency and presence penalties, in place, on rows that have any."""
     rows = [i for i, p in enumerate(batch.params) if p.has_penalties]
+    if not rows:
+        return
     device = logits.device
     vocab_size = logits.shape[1]
     row_index = torch.tensor(rows, device=device)
@@ -267,7 +288,7 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     logits.index_copy_(0, row_index, sub)
 
 
-def _apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
+def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """-inf on stop tokens (and eos, unless ignore_eos) of rows still short of min_tokens."""
     rows: list[int] = []
     cols: list[int] = []

@@ -61,6 +61,7 @@ class Scheduler:
         # Prefill pool: finished requests whose blocks stay until their KV is handed off.
         self.held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # since start, for stats and tests
 
     # ---- admission -------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class Scheduler:
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 

@@ -1,0 +1,109 @@
+"""The `pdserve` command line: built-in models, offline generation, benchmarks.
+
+Results go to stdout (JSON where asked, and nothing else); logs and progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+BENCHMARKS = {
+    "engine": "bench.engine",
+    "transfer": "bench.transfer",
+}
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from engine.builtin import write_builtin_model
+
+    path = write_builtin_model(args.dir, size=args.size, architecture=args.architecture)
+    print(path)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.config import CacheConfig, EngineConfig
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+
+    engine = Engine(
+        EngineConfig(
+            model_dir=args.model,
+            dtype=args.dtype,
+            cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb * 1024 * 1024),
+        )
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    outputs = engine.generate(args.prompt, params, progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps({"outputs": [o.to_dict() for o in outputs]}))
+    else:
+        for output in outputs:
+            print(output.text)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[args.which])
+    return int(module.main(rest) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="write a built-in random-weight model (HF format)")
+    model.add_argument("size", choices=["tiny", "small"])
+    model.add_argument("dir")
+    model.add_argument("--architecture", default="llama",
+                       choices=["llama", "llama3", "qwen2", "mistral"])
+
+    gen = sub.add_parser("generate", help="generate offline with the engine")
+    gen.add_argument("--model", default="tiny", help="model directory or built-in name")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--kv-cache-mb", type=int, default=256)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)", add_help=False)
+    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "model":
+        return _cmd_model(args)
+    return _cmd_generate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""The engine loop in its own thread; asyncio callers only queue work and stream results.
+
+Everything that touches the scheduler runs on the engine thread: callers submit closures
+(`call`) that the loop runs between steps, so the scheduler and block pool need no locks.
+Deltas travel back to each caller's event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from engine.engine import Engine
+from engine.model import LayerHook
+from engine.outputs import RequestOutput
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can make progress."""
+
+
+class AsyncEngine:
+    """Drives `engine.step()` on a background thread and streams deltas to asyncio."""
+
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self.layer_hook: LayerHook | None = None
+        self.between_steps: list[Callable[[], None]] = []  # e.g. polling KV transfers
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread / event loop) ----------------------------------------
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread between steps; its result comes back in a future."""
+        if self._stopped:
+            raise EngineDeadError("engine loop is stopped")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+        self._commands.put(run)
+        self._wakeup.set()
+        return future
+
+    async def call_async(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """Register a delta queue for `request_id` on the calling event loop."""
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        return stream
+
+    async def stream(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield the request's deltas until it finishes; abort it if the caller goes away."""
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._stopped:
+                self.call(lambda: self.engine.abort_request(request_id))
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Add a request built by `engine.make_request` and stream its deltas."""
+        stream = self.open_stream(request.request_id)
+        await self.call_async(lambda: self.engine.add_request(request))
+        async for delta in self.stream(request.request_id, stream):
+            yield delta
+
+    def publish(self, delta: RequestOutput) -> None:
+        """Engine thread: hand a delta to its stream (dropped if the caller is gone)."""
+        entry = self._streams.get(delta.request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, delta)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                for hook in self.between_steps:
+                    hook()
+                if not self.engine.has_unfinished:
+                    self._wakeup.wait(self.idle_wait_s)
+                    self._wakeup.clear()
+                    continue
+                for delta in self.engine.step(self.layer_hook):
+                    self.publish(delta)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
+            logger.exception("engine loop died")
+            self._stopped = True
+            error = EngineDeadError(f"engine loop died: {exc!r}")
+            for loop, stream in list(self._streams.values()):
+                loop.call_soon_threadsafe(stream.put_nowait, error)
+        self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()

@@ -1,0 +1,380 @@
+"""The KV-transfer interface: a decode-side receiver and a prefill-side sender.
+
+A transfer's lifecycle (one per request, decode as orchestrator):
+
+    decode: open_ticket ──▶ PENDING ──first layer accepted──▶ TRANSFERRING ──finish──▶ DONE
+    prefill:                 send_layer(0) … send_layer(L-1), finish
+    any state ──abort (either side)──▶ ABORTED     ──deadline passed──▶ EXPIRED
+              ──peer lost / checksum / protocol error──▶ FAILED
+
+Every transfer ends in exactly one terminal state. The receiver calls its `release`
+callback once for every terminal state except DONE (the destination blocks then hold the
+KV and stay with the decode request); the sender calls its `release` once in every
+terminal state (the source blocks are no longer read).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from types import TracebackType
+
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+
+# Version of the cache memory layout both ends assume: `[layers, 2 (K, V), blocks, slots,
+# kv_heads, head_dim]`, K before V. Bump when engine/kv_cache.py changes it.
+KV_MEMORY_LAYOUT = "layer.kv.block.slot.head.dim/v1"
+
+ReleaseFn = Callable[[str], None]
+BlockIds = Sequence[int] | torch.Tensor
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # ticket open, no sender has started
+    TRANSFERRING = "transferring"  # a sender is writing layers
+    DONE = "done"  # all layers landed; the destination blocks hold the KV
+    FAILED = "failed"  # peer lost, checksum mismatch, refused or protocol error
+    ABORTED = "aborted"  # either side called abort()
+    EXPIRED = "expired"  # the ticket's deadline passed first
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (TransferState.PENDING, TransferState.TRANSFERRING)
+
+    @property
+    def code(self) -> int:
+        """Small integer for the wire."""
+        return _STATE_CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> TransferState:
+        return _STATES_BY_CODE[code]
+
+
+_STATE_CODES = {state: i for i, state in enumerate(TransferState)}
+_STATES_BY_CODE = {i: state for state, i in _STATE_CODES.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# Errors (each becomes a transfer's `error()`; connect() raises them directly)
+
+
+class KVTransferError(RuntimeError):
+    """Base of every transfer failure."""
+
+
+class KVLayoutMismatchError(KVTransferError):
+    """The two ends disagree on model, dtype, block size or cache layout."""
+
+    def __init__(
+        self,
+        differences: dict[str, tuple[object, object]],
+        ours: str = "local",
+        theirs: str = "remote",
+    ) -> None:
+        self.differences = dict(differences)
+        self.labels = (ours, theirs)
+        listed = "; ".join(
+            f"{k}: {ours}={a!r} {theirs}={b!r}" for k, (a, b) in differences.items()
+        )
+        super().__init__(f"KV layout mismatch between {ours} and {theirs}: {listed}")
+
+
+class StaleEpochError(KVTransferError):
+    """The ticket was issued by an earlier incarnation of the receiver (it restarted)."""
+
+
+class ChecksumMismatchError(KVTransferError):
+    """A layer's payload does not match the checksum its sender computed."""
+
+
+class TransferAbortedError(KVTransferError):
+    """One side called abort()."""
+
+
+class TransferExpiredError(KVTransferError):
+    """The ticket's deadline passed before the transfer completed."""
+
+
+class PeerLostError(KVTransferError):
+    """The connection to the other side closed or failed mid-transfer."""
+
+
+class BackendUnavailableError(KVTransferError):
+    """The backend cannot run on this machine (e.g. `nccl` without CUDA)."""
+
+
+class UnknownTransferError(KVTransferError):
+    """No transfer with this request id is known (never opened, or long forgotten)."""
+
+
+_ERRORS: dict[str, type[KVTransferError]] = {
+    cls.__name__: cls
+    for cls in (
+        KVTransferError,
+        StaleEpochError,
+        ChecksumMismatchError,
+        TransferAbortedError,
+        TransferExpiredError,
+        PeerLostError,
+        UnknownTransferError,
+    )
+}
+
+
+def error_to_wire(error: KVTransferError | None) -> dict[str, object]:
+    """JSON-able form of an error, for the control channel."""
+    if error is None:
+        return {}
+    if isinstance(error, KVLayoutMismatchError):
+        diffs = {k: [a, b] for k, (a, b) in error.differences.items()}
+        return {"error": "KVLayoutMismatchError", "differences": diffs, "labels": error.labels}
+    return {"error": type(error).__name__, "message": str(error)}
+
+
+def error_from_wire(obj: dict[str, object], context: str) -> KVTransferError:
+    """Inverse of `error_to_wire`; `context` says who reported it (e.g. "receiver")."""
+    name = str(obj.get("error", "KVTransferError"))
+    if name == "KVLayoutMismatchError":
+        raw = obj.get("differences", {})
+        labels = obj.get("labels", ["remote", "local"])
+        assert isinstance(raw, dict) and isinstance(labels, list)
+        diffs = {k: (v[0], v[1]) for k, v in raw.items()}
+        return KVLayoutMismatchError(diffs, str(labels[0]), str(labels[1]))
+    cls = _ERRORS.get(name, KVTransferError)
+    return cls(f"{context}: {obj.get('message', name)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Layout descriptor and ticket
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What both ends must agree on for blocks to be byte-compatible."""
+
+    model_id: str  # model name or fingerprint (weights + config)
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    memory_layout: str = KV_MEMORY_LAYOUT
+
+    @classmethod
+    def from_spec(cls, spec: KVCacheSpec, model_id: str) -> KVLayout:
+        return cls(
+            model_id=model_id,
+            dtype=spec.dtype,
+            block_size=spec.block_size,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+        )
+
+    def differences(self, other: KVLayout) -> dict[str, tuple[object, object]]:
+        """Fields that differ, as `{field: (self's value, other's value)}`."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
+
+    def check_matches(self, other: KVLayout, ours: str = "local", theirs: str = "remote") -> None:
+        """Raise `KVLayoutMismatchError` listing every differing field."""
+        diffs = self.differences(other)
+        if diffs:
+            raise KVLayoutMismatchError(diffs, ours, theirs)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, object]) -> KVLayout:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in obj.items() if k in names})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """Where and how the prefill side must write one request's KV. Small and picklable."""
+
+    request_id: str
+    endpoint: str  # backend-specific address of the receiver, e.g. "tcp://10.0.0.3:41234"
+    block_ids: tuple[int, ...]  # destination blocks, in token order
+    layout: KVLayout
+    epoch: int  # the receiver's incarnation; fences tickets from before a restart
+    deadline: float  # absolute wall-clock time (time.time()) after which the transfer expires
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def seconds_left(self, now: float | None = None) -> float:
+        return self.deadline - (time.time() if now is None else now)
+
+
+def new_epoch() -> int:
+    """A receiver incarnation number: start time (µs) with 12 random low bits; fits 64 bits."""
+    return (((time.time_ns() // 1000) << 12) | secrets.randbits(12)) & (2**64 - 1)
+
+
+# ---------------------------------------------------------------------------------------
+# The interface
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: owns the destination KV cache and accepts transfers into it.
+
+    Thread-safe. `release(request_id)` is called exactly once per ticket that ends in
+    FAILED, ABORTED or EXPIRED (possibly from an internal thread; it must not block long).
+    """
+
+    backend: str
+    spec: KVCacheSpec
+    layout: KVLayout
+    epoch: int
+
+    @property
+    @abc.abstractmethod
+    def kv_cache(self) -> KVCache:
+        """The destination cache (for `shm`, it lives in shared memory the receiver owns)."""
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """Address senders connect to; copied into every ticket."""
+
+    @abc.abstractmethod
+    def open_ticket(self, request_id: str, block_ids: Sequence[int], deadline_s: float) -> Ticket:
+        """Called by the decode scheduler after it reserved `block_ids` for a request.
+
+        The transfer starts PENDING and expires `deadline_s` seconds from now. Frees nothing;
+        from now on the blocks are returned through `release` unless the transfer ends DONE.
+        """
+
+    @abc.abstractmethod
+    def poll(self, request_id: str) -> TransferState:
+        """Called by the decode engine loop each step; never blocks, frees nothing."""
+
+    @abc.abstractmethod
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        """Block up to `timeout_s` for a terminal state (tests, benchmarks); frees nothing."""
+
+    @abc.abstractmethod
+    def num_layers_received(self, request_id: str) -> int:
+        """How many layers have landed so far (for progress and layer-wise decode)."""
+
+    @abc.abstractmethod
+    def error(self, request_id: str) -> KVTransferError | None:
+        """Why a transfer ended FAILED/ABORTED/EXPIRED (None otherwise)."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Called by decode on client disconnect, preemption or prefill failure; idempotent.
+
+        Ends the transfer ABORTED (no-op if already terminal) and tells the sender. The
+        destination blocks are released once no sender can write them any more.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Called once at replica shutdown: aborts open transfers (releasing their blocks),
+        stops threads, closes sockets and frees shared memory. Idempotent."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class KVSender(abc.ABC):
+    """Prefill side: streams one request's layers to the ticket's receiver.
+
+    Thread-safe. `release(request_id)` is called exactly once for every request id given to
+    `send_layer`, `finish` or `abort`, when its transfer reaches any terminal state: the
+    source blocks are then no longer read and may be freed.
+    """
+
+    backend: str
+    spec: KVCacheSpec
+    layout: KVLayout
+
+    @abc.abstractmethod
+    def connect(self, ticket: Ticket, timeout_s: float) -> None:
+        """Optional: called by prefill when a ticket arrives, before computing.
+
+        Performs the handshake now and raises `KVLayoutMismatchError`, `StaleEpochError` or
+        `PeerLostError` instead of failing the transfer later. Frees nothing.
+        """
+
+    @abc.abstractmethod
+    def send_layer(
+        self,
+        ticket: Ticket,
+        layer: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        src_block_ids: BlockIds,
+    ) -> None:
+        """Called by the prefill model runner right after layer `layer` is computed.
+
+        `k_cache`/`v_cache` are that layer's `[num_blocks, block_size, kv_heads, head_dim]`
+        caches and `src_block_ids` the request's blocks there, in the ticket's order.
+        Returns at once (the copy runs on a background thread, overlapping the next layer's
+        compute); the source blocks must stay untouched until `release`. Raises ValueError
+        only for caller bugs (shapes, layer index); transfer problems end it FAILED.
+        """
+
+    @abc.abstractmethod
+    def finish(self, ticket: Ticket) -> None:
+        """Called by prefill after the last `send_layer`; non-blocking. The transfer turns
+        DONE when the receiver confirms every layer; `release` follows."""
+
+    @abc.abstractmethod
+    def poll(self, request_id: str) -> TransferState:
+        """Sender's view of the transfer; never blocks, frees nothing."""
+
+    @abc.abstractmethod
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        """Block up to `timeout_s` for a terminal state; frees nothing."""
+
+    @abc.abstractmethod
+    def error(self, request_id: str) -> KVTransferError | None:
+        """Why the transfer failed, if it did."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Called by prefill on cancellation or error; idempotent, safe at any moment.
+
+        Stops writing, tells the receiver (which then releases its blocks) and releases the
+        source blocks.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Called once at replica shutdown: aborts open transfers (releasing their source
+        blocks), stops the sender thread and closes connections. Idempotent."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,255 @@
+"""Backend-independent halves of the interface: ticket bookkeeping, polling, abort, expiry.
+
+`TableReceiver` and `TableSender` implement everything in `base.py` that only needs the
+`TransferTable`; a backend adds how bytes move and how the other side is told.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer.base import (
+    BlockIds,
+    KVLayout,
+    KVLayoutMismatchError,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+    ReleaseFn,
+    Ticket,
+    TransferAbortedError,
+    TransferExpiredError,
+    TransferState,
+    new_epoch,
+)
+from kvtransfer.table import Reaper, TransferRecord, TransferTable
+
+
+class TableReceiver(KVReceiver):
+    """Receiver bookkeeping; subclasses move bytes and override `_terminate`/`_shutdown`."""
+
+    backend = "abstract"
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        kv_cache: KVCache,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        epoch: int | None = None,
+        fence_timeout_s: float = 5.0,
+        reap_interval_s: float = 0.05,
+        tombstone_ttl_s: float = 120.0,
+    ) -> None:
+        if kv_cache.spec != spec:
+            raise ValueError(f"kv_cache spec {kv_cache.spec} != receiver spec {spec}")
+        self.spec = spec
+        self.layout = KVLayout.from_spec(spec, model_id)
+        self.epoch = new_epoch() if epoch is None else epoch
+        self._kv_cache = kv_cache
+        self._table = TransferTable(
+            release,
+            release_on_done=False,
+            fence_timeout_s=fence_timeout_s,
+            tombstone_ttl_s=tombstone_ttl_s,
+        )
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._reaper = Reaper(f"kv-{self.backend}-recv-reaper", reap_interval_s, self._reap)
+
+    @property
+    def kv_cache(self) -> KVCache:
+        return self._kv_cache
+
+    def open_ticket(self, request_id: str, block_ids: Sequence[int], deadline_s: float) -> Ticket:
+        if self._closed:
+            raise RuntimeError("receiver is closed")
+        ids = tuple(int(b) for b in block_ids)
+        if not ids:
+            raise ValueError("a ticket needs at least one block")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate destination block ids for {request_id!r}")
+        if min(ids) < 0 or max(ids) >= self.spec.num_blocks:
+            raise ValueError(f"block ids out of range [0, {self.spec.num_blocks})")
+        if deadline_s <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        deadline = time.time() + deadline_s
+        self._table.add(TransferRecord(request_id, ids, deadline))
+        return Ticket(request_id, self.endpoint, ids, self.layout, self.epoch, deadline)
+
+    def poll(self, request_id: str) -> TransferState:
+        return self._table.require(request_id).state
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        return self._table.wait(request_id, timeout_s)
+
+    def num_layers_received(self, request_id: str) -> int:
+        return self._table.require(request_id).num_layers_done
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        return self._table.require(request_id).error
+
+    def abort(self, request_id: str) -> None:
+        self._terminate(request_id, TransferState.ABORTED, TransferAbortedError("aborted by decode"))
+
+    def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
+        """End a transfer from this side (abort, expiry, failure); backends notify the peer."""
+        self._table.finish(request_id, state, error)
+
+    def _reap(self) -> None:
+        for request_id in self._table.overdue(time.time()):
+            self._terminate(
+                request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
+            )
+        self._table.sweep()
+
+    def _shutdown(self) -> None:
+        """Backend teardown after open transfers were aborted (sockets, threads, memory)."""
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for record in self._table.open_records():
+            self._terminate(
+                record.request_id, TransferState.ABORTED, TransferAbortedError("receiver closed")
+            )
+        self._table.wait_unfenced(1.0)
+        self._reaper.stop()
+        self._shutdown()
+        for record in self._table.fenced_records():
+            self._table.unfence(record.request_id)
+
+
+class TableSender(KVSender):
+    """Sender bookkeeping; subclasses queue/move bytes and override `_notify_peer`."""
+
+    backend = "abstract"
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        reap_interval_s: float = 0.05,
+        tombstone_ttl_s: float = 120.0,
+    ) -> None:
+        self.spec = spec
+        self.layout = KVLayout.from_spec(spec, model_id)
+        self._table = TransferTable(
+            release, release_on_done=True, tombstone_ttl_s=tombstone_ttl_s
+        )
+        self._records_lock = threading.Lock()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._reaper = Reaper(f"kv-{self.backend}-send-reaper", reap_interval_s, self._reap)
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _record(self, ticket: Ticket) -> TransferRecord | None:
+        """The live record serving `ticket`, created on first use; None once it is terminal."""
+        failure: KVTransferError | None = None
+        with self._records_lock:
+            record = self._table.get(ticket.request_id)
+            if record is not None and (record.ticket is None or record.ticket == ticket):
+                return None if record.state.is_terminal else record
+            if record is not None and not record.state.is_terminal:
+                raise ValueError(
+                    f"request {ticket.request_id!r} already has an open transfer "
+                    "under another ticket"
+                )
+            record = TransferRecord(ticket.request_id, ticket.block_ids, ticket.deadline, ticket)
+            self._table.add(record)
+            diffs = self.layout.differences(ticket.layout)
+            if diffs:
+                failure = KVLayoutMismatchError(diffs, "sender", "ticket")
+        if failure is not None:
+            self._table.finish(ticket.request_id, TransferState.FAILED, failure)
+            return None
+        return record
+
+    def _check_layer_args(
+        self,
+        ticket: Ticket,
+        layer: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        src_block_ids: BlockIds,
+    ) -> None:
+        if self._closed:
+            raise RuntimeError("sender is closed")
+        if not 0 <= layer < self.spec.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.spec.num_layers})")
+        expected = (self.spec.num_blocks, *self.spec.block_shape)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if tuple(t.shape) != expected or t.dtype != self.spec.torch_dtype:
+                raise ValueError(
+                    f"{name} is {tuple(t.shape)}/{t.dtype}, expected {expected}/"
+                    f"{self.spec.torch_dtype}"
+                )
+        if len(src_block_ids) != ticket.num_blocks:
+            raise ValueError(
+                f"{len(src_block_ids)} source blocks for a ticket of {ticket.num_blocks}"
+            )
+
+    # -- interface -------------------------------------------------------------------------
+
+    def poll(self, request_id: str) -> TransferState:
+        return self._table.require(request_id).state
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        return self._table.wait(request_id, timeout_s)
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        return self._table.require(request_id).error
+
+    def abort(self, request_id: str) -> None:
+        self._terminate(request_id, TransferState.ABORTED, TransferAbortedError("aborted by prefill"))
+
+    def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
+        """End a transfer from this side: stop writing, tell the receiver, release."""
+        with self._records_lock:
+            record = self._table.get(request_id)
+            if record is None:
+                tomb = TransferRecord(request_id, (), time.time())
+                self._table.add_terminal(tomb, state, error)
+                return
+        with record.write_lock:  # wait for an in-flight layer copy into remote blocks
+            ended = self._table.finish(request_id, state, error)
+        if ended:
+            self._notify_peer(record, state, error)
+
+    def _notify_peer(
+        self, record: TransferRecord, state: TransferState, error: KVTransferError
+    ) -> None:
+        """Tell the receiver this transfer ended on our side (backends with a channel)."""
+
+    def _reap(self) -> None:
+        for request_id in self._table.overdue(time.time()):
+            self._terminate(
+                request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
+            )
+        self._table.sweep()
+
+    def _shutdown(self) -> None:
+        """Backend teardown after open transfers were aborted (threads, sockets)."""
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for record in self._table.open_records():
+            self._terminate(
+                record.request_id, TransferState.ABORTED, TransferAbortedError("sender closed")
+            )
+        self._reaper.stop()
+        self._shutdown()

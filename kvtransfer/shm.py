@@ -1,0 +1,223 @@
+"""`shm`: same-host transfer; the prefill process writes straight into decode's KV cache.
+
+Data path: the receiver creates its whole KV cache in a POSIX shared-memory segment
+(`/dev/shm/<name>`); the sender maps the same segment and, per layer, copies the request's
+source blocks into the destination blocks (one copy, see `blockcopy.CopyPlan`).
+
+Control channel: a Unix stream socket in the Linux abstract namespace (`@<name>.ctl`, no
+file to clean up), speaking `wire` frames without payload: HELLO/WELCOME (layout, epoch,
+segment), BEGIN/ACCEPT per transfer before any write, LAYER after each layer is written
+(with its CRC32 when checksums are on), FINISH, ABORT and ABORT_ACK. Because the sender
+writes our memory itself, a transfer ended by the receiver keeps its blocks *fenced* until
+the sender acknowledges that it stopped writing (ABORT_ACK), its connection drops (process
+gone), or `fence_timeout_s` passes.
+
+Segment ownership: the receiver creates the segment with `SharedMemory(create=True)` so
+its resource tracker unlinks it if the process dies, maps it through torch (the mapping
+lives as long as any tensor over it) and unlinks it on close(). The sender never uses
+`SharedMemory` (whose resource tracker would unlink a segment it does not own at exit);
+it maps `/dev/shm/<name>` with `torch.from_file` and pre-faults the mapping once.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer.base import (
+    BackendUnavailableError,
+    ChecksumMismatchError,
+    KVTransferError,
+    PeerLostError,
+    ReleaseFn,
+)
+from kvtransfer.blockcopy import CopyPlan, block_rows, layer_crc
+from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
+from kvtransfer.stream_sender import LayerItem, ReceiverConnection, StreamSender
+from kvtransfer.table import TransferRecord
+from kvtransfer.wire import Header, Kind
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "pdkv-"
+PAGE_BYTES = 4096
+
+
+def _require_shm() -> None:
+    if not os.path.isdir(SHM_DIR):
+        raise BackendUnavailableError(f"the shm backend needs Linux POSIX shared memory ({SHM_DIR})")
+
+
+def _control_address(segment: str) -> str:
+    return f"\0{segment}.ctl"
+
+
+def _segment_of(endpoint: str) -> str:
+    if not endpoint.startswith("shm://"):
+        raise ValueError(f"not an shm endpoint: {endpoint!r}")
+    return endpoint.removeprefix("shm://")
+
+
+def map_segment(segment: str, nbytes: int) -> torch.Tensor:
+    """Map an existing segment as a flat uint8 tensor; the mapping dies with the tensor."""
+    return torch.from_file(os.path.join(SHM_DIR, segment), shared=True, size=nbytes,
+                           dtype=torch.uint8)
+
+
+class ShmReceiver(StreamReceiver):
+    """Owns the shared-memory KV cache; see the module docstring."""
+
+    backend = "shm"
+    remote_writes = True
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        name: str | None = None,
+        **options: float,
+    ) -> None:
+        _require_shm()
+        self._segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
+        owner = SharedMemory(name=self._segment, create=True, size=max(spec.total_bytes, 1))
+        owner.close()  # keep the name (and the tracker registration); torch maps it below
+        self._owner: SharedMemory | None = owner
+        try:
+            flat = map_segment(self._segment, spec.total_bytes)
+            flat.zero_()  # fault every page in now, not during the first transfer
+            kv_cache = KVCache(spec, flat.view(spec.torch_dtype).view(spec.flat_shape))
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(_control_address(self._segment))
+            listener.listen(64)
+            super().__init__(
+                spec, kv_cache, model_id=model_id, release=release, listener=listener, **options
+            )
+        except BaseException:
+            self._unlink()
+            raise
+
+    @property
+    def endpoint(self) -> str:
+        return f"shm://{self._segment}"
+
+    @property
+    def segment(self) -> str:
+        return self._segment
+
+    def _welcome_extra(self, conn: SenderConnection) -> dict[str, object]:
+        return {"segment": self._segment, "total_bytes": self.spec.total_bytes}
+
+    def _receive_layer(self, conn: SenderConnection, record: TransferRecord, header: Header) -> None:
+        if header.nbytes:
+            conn.fs.discard(header.nbytes)
+            raise KVTransferError("shm LAYER frames carry no payload")
+        if header.has_crc:
+            assert self._rows is not None
+            ids = _cached_ids(record)
+            crc = layer_crc(self._rows[header.layer, 0], self._rows[header.layer, 1], ids)
+            if crc != header.crc:
+                raise ChecksumMismatchError(
+                    f"layer {header.layer} of {record.request_id!r}: crc32 {crc:#010x} in "
+                    f"the destination blocks, sender computed {header.crc:#010x}"
+                )
+
+    def _shutdown(self) -> None:
+        super()._shutdown()
+        self._unlink()
+
+    def _unlink(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            try:
+                owner.unlink()  # the memory itself goes when the last mapping does
+            except FileNotFoundError:
+                pass
+
+
+class ShmSender(StreamSender):
+    """Writes layers into a receiver's mapped segment; see the module docstring."""
+
+    backend = "shm"
+
+    def __init__(self, spec: KVCacheSpec, *, model_id: str, release: ReleaseFn,
+                 **options: object) -> None:
+        _require_shm()
+        super().__init__(spec, model_id=model_id, release=release, **options)  # type: ignore[arg-type]
+
+    def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(_control_address(_segment_of(endpoint)))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _on_welcome(self, conn: ReceiverConnection) -> None:
+        segment = conn.welcome.get("segment")
+        if segment != _segment_of(conn.endpoint):
+            raise PeerLostError(f"receiver at {conn.endpoint} serves segment {segment!r}")
+        nbytes = int(str(conn.welcome["total_bytes"]))
+        expected = conn.num_blocks * self.spec.bytes_per_block
+        if nbytes != expected:
+            raise PeerLostError(f"segment of {nbytes} bytes, expected {expected}")
+        try:
+            flat = map_segment(str(segment), nbytes)
+        except (OSError, RuntimeError) as exc:
+            raise PeerLostError(f"cannot map {segment}: {exc}") from exc
+        rows = flat.numpy().reshape(self.spec.num_layers, 2, conn.num_blocks, -1)
+        int(rows.reshape(-1)[::PAGE_BYTES].sum())  # pre-fault: map every page once, read-only
+        conn.state["rows"] = rows
+
+    def _on_disconnected(self, conn: ReceiverConnection) -> None:
+        conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views
+
+    def _write_layer(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> None:
+        assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
+        rows = conn.state["rows"]
+        assert isinstance(rows, np.ndarray)
+        src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
+        plan = record.cache.get("plan")
+        if not isinstance(plan, CopyPlan):
+            dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
+            if dst_ids.max() >= conn.num_blocks:
+                raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
+            plan = record.cache["plan"] = CopyPlan.build(item.src_ids, dst_ids, src_k.shape[1])
+            record.cache["src_ids"] = item.src_ids
+        layer = item.layer
+        with record.write_lock:
+            if record.state.is_terminal:
+                return
+            plan.copy(src_k, rows[layer, 0])
+            plan.copy(src_v, rows[layer, 1])
+            crc = None
+            if self.checksum:
+                src_ids = record.cache["src_ids"]
+                assert isinstance(src_ids, np.ndarray)
+                crc = layer_crc(src_k, src_v, src_ids)
+            if layer in self.corrupt_layers:
+                rows[layer, 0, item.ticket.block_ids[0], 0] ^= 0xFF
+        conn.fs.send(Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=layer, crc=crc)
+
+
+def _cached_ids(record: TransferRecord) -> np.ndarray:
+    ids = record.cache.get("dst_ids")
+    if not isinstance(ids, np.ndarray):
+        ids = record.cache["dst_ids"] = np.asarray(record.block_ids, dtype=np.int64)
+    return ids
+
+
+def list_segments() -> list[str]:
+    """Names of pdserve KV segments currently in /dev/shm (leak checks in tests/ops)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,321 @@
+"""Receiver side of the socket-based backends (`shm`, `tcp`, `nccl`).
+
+Threads: one accepts connections; one per connection reads frames in order:
+
+    HELLO ──layout check──▶ WELCOME (or REFUSE + close)
+    BEGIN(rid, epoch) ──epoch, ticket open?──▶ ACCEPT (rid now bound to this connection) | REJECT
+    LAYER(rid, l) ──backend `_receive_layer`──▶ layer l marked
+    FINISH(rid, L) ──all L layers?──▶ DONE + RESULT   (else FAILED)
+    ABORT(rid) from the sender ──▶ ABORTED/EXPIRED/FAILED, blocks released at once
+    ABORT_ACK(rid) ──▶ fence lifted, blocks released
+
+Ending a transfer here (abort, expiry, bad checksum) sends ABORT to its sender. When the
+sender writes our memory itself (`remote_writes`: shm), the blocks stay fenced until it
+acknowledges, dies (connection EOF) or `fence_timeout_s` passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer.base import (
+    KVLayout,
+    KVLayoutMismatchError,
+    KVTransferError,
+    PeerLostError,
+    ReleaseFn,
+    StaleEpochError,
+    TransferState,
+    UnknownTransferError,
+    error_from_wire,
+    error_to_wire,
+)
+from kvtransfer.core import TableReceiver
+from kvtransfer.table import TransferRecord
+from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
+
+logger = logging.getLogger(__name__)
+
+
+class SenderConnection:
+    """The receiver's end of one sender's connection."""
+
+    def __init__(self, fs: FrameSocket, name: str) -> None:
+        self.fs = fs
+        self.name = name
+        self.alive = True
+        self.thread: threading.Thread | None = None
+        self._staging = np.empty(0, dtype=np.uint8)
+        self.state: dict[str, object] = {}  # backend per-connection state (communicator)
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A reusable receive buffer of at least `nbytes` (grown, never shrunk)."""
+        if self._staging.nbytes < nbytes:
+            self._staging = np.empty(nbytes, dtype=np.uint8)
+        return self._staging[:nbytes]
+
+
+class StreamReceiver(TableReceiver):
+    """Control channel and frame dispatch; subclasses implement `_receive_layer`."""
+
+    remote_writes = False  # True when the sender writes our blocks directly (shm)
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        kv_cache: KVCache,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        listener: socket.socket,
+        io_timeout_s: float = 30.0,
+        handshake_timeout_s: float = 10.0,
+        **table_options: float,
+    ) -> None:
+        super().__init__(spec, kv_cache, model_id=model_id, release=release, **table_options)
+        # [layers, 2, blocks, bytes_per_block]: byte rows of the whole cache (CPU backends)
+        self._rows: np.ndarray | None = None
+        if kv_cache.flat.device.type == "cpu":
+            self._rows = (
+                kv_cache.flat.view(torch.uint8)
+                .reshape(spec.num_layers, 2, spec.num_blocks, -1)
+                .numpy()
+            )
+        self._io_timeout_s = io_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
+        self._listener = listener
+        self._listener.settimeout(0.2)
+        self._connections: set[SenderConnection] = set()
+        self._connections_lock = threading.Lock()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"kv-{self.backend}-accept", daemon=True
+        )
+        self._accept_thread.start()
+
+    # -- backend hooks ---------------------------------------------------------------------
+
+    def _receive_layer(self, conn: SenderConnection, record: TransferRecord, header: Header) -> None:
+        """Consume one LAYER frame's payload and land it; raise KVTransferError to fail it."""
+        raise NotImplementedError
+
+    def _welcome_extra(self, conn: SenderConnection) -> dict[str, object]:
+        """Backend facts the sender needs (segment name, ...)."""
+        return {}
+
+    def _on_connected(self, conn: SenderConnection, hello: dict[str, object]) -> None:
+        """After WELCOME, before the first frame (nccl: join the communicator)."""
+
+    def _before_done(self, conn: SenderConnection, record: TransferRecord) -> None:
+        """Called on FINISH before DONE (nccl: wait for the side stream)."""
+
+    def _on_disconnected(self, conn: SenderConnection) -> None:
+        """Connection gone (nccl: abort its communicator)."""
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn = SenderConnection(FrameSocket(sock, self._io_timeout_s), str(sock.fileno()))
+            with self._connections_lock:
+                if self._closed:
+                    conn.fs.close()
+                    return
+                self._connections.add(conn)
+            conn.thread = threading.Thread(
+                target=self._serve, args=(conn,), name=f"kv-{self.backend}-recv", daemon=True
+            )
+            conn.thread.start()
+
+    def _serve(self, conn: SenderConnection) -> None:
+        try:
+            if self._handshake(conn):
+                while (header := conn.fs.recv_header()) is not None:
+                    self._dispatch(conn, header)
+        except PeerLostError as exc:
+            logger.debug("sender connection %s lost: %s", conn.name, exc)
+        except Exception:
+            logger.exception("sender connection %s failed", conn.name)
+        finally:
+            self._drop(conn)
+
+    def _handshake(self, conn: SenderConnection) -> bool:
+        conn.fs.limit_reads(self._handshake_timeout_s)
+        header = conn.fs.recv_header()
+        if header is None:
+            return False
+        if header.kind is not Kind.HELLO:
+            raise PeerLostError(f"expected HELLO, got {header.kind.name}")
+        hello = conn.fs.recv_json(header)
+        conn.fs.limit_reads(None)
+        if hello.get("version") != PROTOCOL_VERSION:
+            error: KVTransferError = KVTransferError(
+                f"protocol version {hello.get('version')} != {PROTOCOL_VERSION}"
+            )
+            conn.fs.send_json(Kind.REFUSE, "", error_to_wire(error))
+            return False
+        remote = KVLayout.from_dict(_as_dict(hello.get("layout")))
+        diffs = self.layout.differences(remote)
+        if diffs:
+            error = KVLayoutMismatchError(diffs, "receiver", "sender")
+            logger.warning("refusing a sender: %s", error)
+            conn.fs.send_json(Kind.REFUSE, "", error_to_wire(error))
+            return False
+        welcome: dict[str, object] = {
+            "layout": self.layout.to_dict(),
+            "epoch": self.epoch,
+            "num_blocks": self.spec.num_blocks,
+        }
+        welcome.update(self._welcome_extra(conn))
+        conn.fs.send_json(Kind.WELCOME, "", welcome)
+        self._on_connected(conn, hello)
+        return True
+
+    def _drop(self, conn: SenderConnection) -> None:
+        conn.alive = False
+        conn.fs.close()
+        with self._connections_lock:
+            self._connections.discard(conn)
+        for record in self._table.records_bound_to(conn):
+            self._table.finish(
+                record.request_id,
+                TransferState.FAILED,
+                PeerLostError(f"sender connection lost after {record.num_layers_done} layers"),
+            )
+            self._table.unfence(record.request_id, conn)  # a dead writer writes no more
+        self._on_disconnected(conn)
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _dispatch(self, conn: SenderConnection, header: Header) -> None:
+        kind, rid = header.kind, header.request_id
+        if kind is Kind.BEGIN:
+            self._on_begin(conn, header)
+        elif kind is Kind.LAYER:
+            self._on_layer(conn, header)
+        elif kind is Kind.FINISH:
+            self._on_finish(conn, header)
+        elif kind is Kind.ABORT:
+            body = conn.fs.recv_json(header)
+            record = self._table.get(rid)
+            if record is not None and record.peer is conn:
+                state = TransferState.from_code(header.layer)
+                self._table.finish(rid, state, error_from_wire(body, "sender"))
+                self._table.unfence(rid, conn)  # the sender stopped before telling us
+        elif kind is Kind.ABORT_ACK:
+            conn.fs.discard(header.nbytes)
+            self._table.unfence(rid, conn)
+        else:
+            logger.warning("unexpected %s frame from sender; ignored", kind.name)
+            conn.fs.discard(header.nbytes)
+
+    def _on_begin(self, conn: SenderConnection, header: Header) -> None:
+        rid = header.request_id
+        conn.fs.discard(header.nbytes)
+        record = self._table.get(rid)
+        error: KVTransferError | None = None
+        state = TransferState.FAILED
+        if header.epoch != self.epoch:
+            error = StaleEpochError(
+                f"ticket epoch {header.epoch} was issued by an earlier incarnation of this "
+                f"receiver (now epoch {self.epoch}); refusing the transfer of {rid!r}"
+            )
+        elif record is None:
+            error = UnknownTransferError(f"no open ticket for request {rid!r}")
+        elif not self._table.bind(record, conn):
+            state = record.state if record.state.is_terminal else TransferState.FAILED
+            error = record.error or KVTransferError(f"transfer of {rid!r} is {record.state.value}")
+        if error is None:
+            conn.fs.send(Kind.ACCEPT, rid)
+        else:
+            conn.fs.send_json(Kind.REJECT, rid, error_to_wire(error), layer=state.code)
+
+    def _on_layer(self, conn: SenderConnection, header: Header) -> None:
+        record = self._table.get(header.request_id)
+        if (
+            record is None
+            or record.peer is not conn
+            or record.state is not TransferState.TRANSFERRING
+            or header.epoch != self.epoch
+            or not 0 <= header.layer < self.spec.num_layers
+        ):
+            self._skip_layer(conn, header)
+            return
+        try:
+            self._receive_layer(conn, record, header)
+        except PeerLostError:
+            raise
+        except KVTransferError as exc:
+            self._terminate(record.request_id, TransferState.FAILED, exc)
+            return
+        self._table.mark_layer(record, header.layer)
+
+    def _skip_layer(self, conn: SenderConnection, header: Header) -> None:
+        """Drop a LAYER frame of a transfer that ended (or never bound here)."""
+        conn.fs.discard(header.nbytes)
+
+    def _on_finish(self, conn: SenderConnection, header: Header) -> None:
+        rid = header.request_id
+        conn.fs.discard(header.nbytes)
+        record = self._table.get(rid)
+        if record is None or record.peer is not conn:
+            return
+        if not record.state.is_terminal:
+            complete = (1 << self.spec.num_layers) - 1
+            if header.layer != self.spec.num_layers or record.layers_mask != complete:
+                missing = [i for i in range(self.spec.num_layers) if not record.layers_mask >> i & 1]
+                self._terminate(
+                    rid, TransferState.FAILED, KVTransferError(f"finished without layers {missing}")
+                )
+                return
+            self._before_done(conn, record)
+            self._table.finish(rid, TransferState.DONE)
+        if record.state is TransferState.DONE:
+            conn.fs.send(Kind.RESULT, rid, layer=TransferState.DONE.code)
+
+    # -- ending transfers from this side ---------------------------------------------------
+
+    def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
+        if not self._table.finish(request_id, state, error, fence_if_bound=self.remote_writes):
+            return
+        record = self._table.get(request_id)
+        conn = record.peer if record is not None else None
+        if not isinstance(conn, SenderConnection):
+            return
+        try:
+            conn.fs.send_json(Kind.ABORT, request_id, error_to_wire(error), layer=state.code)
+        except PeerLostError:
+            pass
+        if not conn.alive or conn.fs.closed:
+            self._table.unfence(request_id, conn)
+
+    def _shutdown(self) -> None:
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        self._accept_thread.join(timeout=5.0)
+        with self._connections_lock:
+            connections = list(self._connections)
+        for conn in connections:
+            conn.fs.close()
+        for conn in connections:
+            if conn.thread is not None:
+                conn.thread.join(timeout=5.0)
+
+
+def _as_dict(obj: object) -> dict[str, object]:
+    if not isinstance(obj, dict):
+        raise PeerLostError("malformed handshake")
+    return obj

@@ -1,0 +1,354 @@
+"""Sender side of the socket-based backends (`shm`, `tcp`, `nccl`).
+
+`send_layer`/`finish` only enqueue. One worker thread drains the queue in order:
+
+    connect (cached per endpoint): HELLO -> WELCOME | REFUSE (-> KVLayoutMismatchError)
+    first item of a ticket: epoch check, BEGIN -> wait ACCEPT | REJECT
+    layer item: backend `_write_layer` (shm: copy into the mapped cache; tcp: payload frame)
+    finish item: FINISH; the transfer turns DONE when the receiver's RESULT arrives
+
+One reader thread per connection handles ACCEPT/REJECT/RESULT and the receiver's ABORT:
+it stops our writes (under the record's write_lock), answers ABORT_ACK, and releases.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.base import (
+    BlockIds,
+    KVLayout,
+    KVTransferError,
+    PeerLostError,
+    ReleaseFn,
+    StaleEpochError,
+    Ticket,
+    TransferExpiredError,
+    TransferState,
+    error_from_wire,
+    error_to_wire,
+)
+from kvtransfer.blockcopy import as_id_array
+from kvtransfer.core import TableSender
+from kvtransfer.table import TransferRecord
+from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
+
+logger = logging.getLogger(__name__)
+
+
+class RejectedError(KVTransferError):
+    """The receiver refused or ended the transfer; `state` is the state it reported."""
+
+    def __init__(self, state: TransferState, error: KVTransferError) -> None:
+        super().__init__(str(error))
+        self.state = state
+        self.cause = error
+
+
+@dataclass(slots=True)
+class LayerItem:
+    ticket: Ticket
+    layer: int  # -1: the finish marker
+    k_cache: torch.Tensor | None = None
+    v_cache: torch.Tensor | None = None
+    src_ids: np.ndarray | None = None
+    ready: object | None = None  # backend: e.g. a CUDA event recorded after the layer
+
+
+class ReceiverConnection:
+    """The sender's end of one receiver's connection."""
+
+    def __init__(self, fs: FrameSocket, endpoint: str, welcome: dict[str, object]) -> None:
+        self.fs = fs
+        self.endpoint = endpoint
+        self.epoch = int(str(welcome["epoch"]))
+        self.num_blocks = int(str(welcome["num_blocks"]))
+        self.welcome = welcome
+        self.alive = True
+        self.pending: dict[str, Future[None]] = {}
+        self.state: dict[str, object] = {}  # backend per-connection state (mapping, comm)
+        self.thread: threading.Thread | None = None
+
+
+class StreamSender(TableSender):
+    """Queue, worker, connections; subclasses implement `_open_socket` and `_write_layer`."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        checksum: bool = False,
+        io_timeout_s: float = 30.0,
+        connect_timeout_s: float = 10.0,
+        corrupt_layers: frozenset[int] = frozenset(),
+        **table_options: float,
+    ) -> None:
+        super().__init__(spec, model_id=model_id, release=release, **table_options)
+        self.checksum = checksum
+        self.corrupt_layers = corrupt_layers  # test hook: damage these layers after checksumming
+        self._io_timeout_s = io_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
+        self._connections: dict[str, ReceiverConnection] = {}
+        self._connections_lock = threading.Lock()
+        self._worker = threading.Thread(
+            target=self._work, name=f"kv-{self.backend}-send", daemon=True
+        )
+        self._worker.start()
+
+    # -- backend hooks ---------------------------------------------------------------------
+
+    def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
+        """A connected socket to the receiver's control endpoint."""
+        raise NotImplementedError
+
+    def _on_welcome(self, conn: ReceiverConnection) -> None:
+        """After the handshake (shm: map the segment; nccl: join the communicator)."""
+
+    def _write_layer(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> None:
+        """Move one layer and send its LAYER frame."""
+        raise NotImplementedError
+
+    def _item_ready(self, k_cache: torch.Tensor) -> object | None:
+        """Called on the caller's thread in send_layer (nccl: record a CUDA event)."""
+        return None
+
+    def _on_disconnected(self, conn: ReceiverConnection) -> None:
+        """Connection gone (shm: unmap; nccl: abort the communicator)."""
+
+    # -- interface -------------------------------------------------------------------------
+
+    def connect(self, ticket: Ticket, timeout_s: float) -> None:
+        self.layout.check_matches(ticket.layout, "sender", "ticket")
+        conn = self._connection(ticket.endpoint, timeout_s)
+        _check_epoch(ticket, conn)
+
+    def send_layer(
+        self,
+        ticket: Ticket,
+        layer: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        src_block_ids: BlockIds,
+    ) -> None:
+        self._check_layer_args(ticket, layer, k_cache, v_cache, src_block_ids)
+        if self._record(ticket) is None:
+            return
+        item = LayerItem(ticket, layer, k_cache, v_cache, as_id_array(src_block_ids))
+        item.ready = self._item_ready(k_cache)
+        self._queue.put(item)
+
+    def finish(self, ticket: Ticket) -> None:
+        if self._closed:
+            raise RuntimeError("sender is closed")
+        if self._record(ticket) is not None:
+            self._queue.put(LayerItem(ticket, -1))
+
+    # -- worker ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            record = self._table.get(item.ticket.request_id)
+            if record is None or record.ticket != item.ticket or record.state.is_terminal:
+                continue
+            try:
+                self._serve(record, item)
+            except RejectedError as exc:
+                self._terminate(record.request_id, exc.state, exc.cause)
+            except KVTransferError as exc:
+                state = TransferState.FAILED
+                if item.ticket.seconds_left() <= 0:
+                    state, exc = TransferState.EXPIRED, TransferExpiredError(str(exc))
+                self._terminate(record.request_id, state, exc)
+            except Exception as exc:
+                logger.exception("sending %r failed", record.request_id)
+                self._terminate(record.request_id, TransferState.FAILED, KVTransferError(repr(exc)))
+
+    def _serve(self, record: TransferRecord, item: LayerItem) -> None:
+        ticket = item.ticket
+        timeout_s = min(self._connect_timeout_s, ticket.seconds_left())
+        if timeout_s <= 0:
+            raise TransferExpiredError("ticket deadline passed before sending")
+        conn = self._connection(ticket.endpoint, timeout_s)
+        if record.peer is None:
+            self._begin(conn, record, ticket)
+        if record.state.is_terminal:
+            return
+        if record.peer is not conn:
+            raise PeerLostError("connection to the receiver was replaced mid-transfer")
+        if item.layer >= 0:
+            self._write_layer(conn, record, item)
+            self._table.mark_layer(record, item.layer)
+        else:
+            conn.fs.send(Kind.FINISH, ticket.request_id, epoch=ticket.epoch,
+                         layer=self.spec.num_layers)
+
+    def _begin(self, conn: ReceiverConnection, record: TransferRecord, ticket: Ticket) -> None:
+        _check_epoch(ticket, conn)
+        accepted: Future[None] = Future()
+        conn.pending[ticket.request_id] = accepted
+        try:
+            if not self._table.bind(record, conn):
+                return  # ended meanwhile
+            conn.fs.send(Kind.BEGIN, ticket.request_id, epoch=ticket.epoch)
+            try:
+                accepted.result(timeout=max(0.0, min(self._io_timeout_s, ticket.seconds_left())))
+            except TimeoutError:
+                raise PeerLostError("receiver did not answer BEGIN in time") from None
+        finally:
+            conn.pending.pop(ticket.request_id, None)
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _connection(self, endpoint: str, timeout_s: float) -> ReceiverConnection:
+        with self._connections_lock:
+            conn = self._connections.get(endpoint)
+            if conn is not None and conn.alive:
+                return conn
+            conn = self._handshake(endpoint, timeout_s)
+            self._connections[endpoint] = conn
+        conn.thread = threading.Thread(
+            target=self._read, args=(conn,), name=f"kv-{self.backend}-send-read", daemon=True
+        )
+        conn.thread.start()
+        return conn
+
+    def _handshake(self, endpoint: str, timeout_s: float) -> ReceiverConnection:
+        try:
+            sock = self._open_socket(endpoint, timeout_s)
+        except OSError as exc:
+            raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
+        fs = FrameSocket(sock, self._io_timeout_s)
+        try:
+            fs.send_json(
+                Kind.HELLO, "", {"version": PROTOCOL_VERSION, "layout": self.layout.to_dict()}
+            )
+            fs.limit_reads(timeout_s)
+            header = fs.recv_header()
+            if header is None:
+                raise PeerLostError(f"{endpoint} closed the connection during the handshake")
+            body = fs.recv_json(header)
+            fs.limit_reads(None)
+            if header.kind is Kind.REFUSE:
+                raise error_from_wire(body, f"receiver at {endpoint}")
+            if header.kind is not Kind.WELCOME:
+                raise PeerLostError(f"expected WELCOME from {endpoint}, got {header.kind.name}")
+            remote = body.get("layout")
+            if not isinstance(remote, dict):
+                raise PeerLostError("malformed WELCOME")
+            self.layout.check_matches(KVLayout.from_dict(remote), "sender", "receiver")
+            conn = ReceiverConnection(fs, endpoint, body)
+            self._on_welcome(conn)
+            return conn
+        except BaseException:
+            fs.close()
+            raise
+
+    def _read(self, conn: ReceiverConnection) -> None:
+        try:
+            while (header := conn.fs.recv_header()) is not None:
+                self._dispatch(conn, header)
+        except PeerLostError as exc:
+            logger.debug("receiver connection %s lost: %s", conn.endpoint, exc)
+        except Exception:
+            logger.exception("receiver connection %s failed", conn.endpoint)
+        finally:
+            self._drop(conn)
+
+    def _dispatch(self, conn: ReceiverConnection, header: Header) -> None:
+        rid = header.request_id
+        body = conn.fs.recv_json(header) if header.nbytes else {}
+        pending = conn.pending.get(rid)
+        if header.kind is Kind.ACCEPT:
+            _resolve(pending, None)
+        elif header.kind is Kind.REJECT:
+            state = TransferState.from_code(header.layer)
+            _resolve(pending, RejectedError(state, error_from_wire(body, "receiver")))
+        elif header.kind is Kind.ABORT:
+            state = TransferState.from_code(header.layer)
+            error = error_from_wire(body, "receiver")
+            _resolve(pending, RejectedError(state, error))
+            record = self._table.get(rid)
+            if record is not None and record.peer is conn:
+                with record.write_lock:  # our current copy into its blocks completes first
+                    self._table.finish(rid, state, error)
+            conn.fs.send(Kind.ABORT_ACK, rid)
+        elif header.kind is Kind.RESULT:
+            state = TransferState.from_code(header.layer)
+            record = self._table.get(rid)
+            if record is not None and record.peer is conn:
+                self._table.finish(rid, state, error_from_wire(body, "receiver") if body else None)
+        else:
+            logger.warning("unexpected %s frame from receiver; ignored", header.kind.name)
+
+    def _drop(self, conn: ReceiverConnection) -> None:
+        conn.alive = False
+        conn.fs.close()
+        with self._connections_lock:
+            if self._connections.get(conn.endpoint) is conn:
+                del self._connections[conn.endpoint]
+        lost = PeerLostError(f"connection to receiver {conn.endpoint} lost")
+        for pending in list(conn.pending.values()):
+            _resolve(pending, lost)
+        for record in self._table.records_bound_to(conn):
+            with record.write_lock:
+                self._table.finish(record.request_id, TransferState.FAILED, lost)
+        self._on_disconnected(conn)
+
+    # -- ending transfers from this side ---------------------------------------------------
+
+    def _notify_peer(
+        self, record: TransferRecord, state: TransferState, error: KVTransferError
+    ) -> None:
+        conn = record.peer
+        if not isinstance(conn, ReceiverConnection):
+            return
+        _resolve(conn.pending.get(record.request_id), RejectedError(state, error))
+        if conn.alive:
+            try:
+                conn.fs.send_json(Kind.ABORT, record.request_id, error_to_wire(error),
+                                  layer=state.code)
+            except PeerLostError:
+                pass
+
+    def _shutdown(self) -> None:
+        self._queue.put(None)
+        self._worker.join(timeout=5.0)
+        with self._connections_lock:
+            connections = list(self._connections.values())
+        for conn in connections:
+            conn.fs.close()
+        for conn in connections:
+            if conn.thread is not None and conn.thread is not threading.current_thread():
+                conn.thread.join(timeout=5.0)
+
+
+def _check_epoch(ticket: Ticket, conn: ReceiverConnection) -> None:
+    if ticket.epoch != conn.epoch:
+        raise StaleEpochError(
+            f"ticket for {ticket.request_id!r} carries epoch {ticket.epoch} but the receiver at "
+            f"{ticket.endpoint} is now epoch {conn.epoch} (it restarted); ticket refused"
+        )
+
+
+def _resolve(pending: Future[None] | None, error: KVTransferError | None) -> None:
+    if pending is None:
+        return
+    try:
+        if error is None:
+            pending.set_result(None)
+        else:
+            pending.set_exception(error)
+    except InvalidStateError:
+        pass

@@ -1,0 +1,201 @@
+"""Length-prefixed frames over a stream socket: the control channel (and tcp's data path).
+
+Every frame is a fixed 32-byte little-endian header, the request id (utf-8), then
+`nbytes` of payload:
+
+    magic u32 | kind u8 | flags u8 | rid_len u16 | layer u32 | epoch u64 | nbytes u64 | crc u32
+
+`layer` doubles as a state code for ABORT/RESULT frames. Control payloads are small JSON
+objects; LAYER payloads are raw block bytes (tcp) or absent (shm, nccl: the data moves
+out of band). Frames are written whole under a per-socket lock, so threads may interleave
+frames but never bytes; payloads are read with `recv_into` into caller-owned buffers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtransfer.base import PeerLostError
+
+MAGIC = 0x564B4450  # b"PDKV" little-endian
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("<IBBHIQQI")
+HEADER_SIZE = _HEADER.size
+FLAG_CRC = 0x1
+_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1  # sender -> receiver, JSON {version, layout}: first frame of a connection
+    WELCOME = 2  # receiver -> sender, JSON {layout, epoch, ...backend extras}
+    REFUSE = 3  # receiver -> sender, JSON error; the receiver then closes the connection
+    BEGIN = 4  # sender -> receiver: start the transfer of rid (ticket epoch in `epoch`)
+    ACCEPT = 5  # receiver -> sender: rid bound to this connection, write away
+    REJECT = 6  # receiver -> sender, JSON error: rid refused (stale epoch, unknown, ended)
+    LAYER = 7  # sender -> receiver: layer `layer` of rid written (payload for tcp)
+    FINISH = 8  # sender -> receiver: all `layer` layers sent
+    ABORT = 9  # either way, `layer` = terminal state code, JSON error: rid ended
+    ABORT_ACK = 10  # sender -> receiver: no more writes to rid's blocks will happen
+    RESULT = 11  # receiver -> sender, `layer` = terminal state code: rid's outcome
+
+
+@dataclass(slots=True)
+class Header:
+    kind: Kind
+    flags: int
+    request_id: str
+    layer: int
+    epoch: int
+    nbytes: int
+    crc: int
+
+    @property
+    def has_crc(self) -> bool:
+        return bool(self.flags & FLAG_CRC)
+
+
+class FrameSocket:
+    """A connected stream socket speaking frames. Sends are thread-safe; one thread reads."""
+
+    def __init__(self, sock: socket.socket, io_timeout_s: float) -> None:
+        self.sock = sock
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER_BYTES)
+            except OSError:
+                pass
+        sock.settimeout(io_timeout_s)
+        self._io_timeout_s = io_timeout_s
+        self._send_lock = threading.Lock()
+        self._header = bytearray(HEADER_SIZE)
+        self._scratch = bytearray(1 << 16)
+        self._closed = False
+        self._give_up_at: float | None = None  # monotonic; None: wait as long as it takes
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def limit_reads(self, timeout_s: float | None) -> None:
+        """Make reads fail after `timeout_s` from now (handshakes); None lifts the limit."""
+        self._give_up_at = None if timeout_s is None else time.monotonic() + timeout_s
+        self.sock.settimeout(self._io_timeout_s if timeout_s is None else max(0.01, timeout_s))
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(
+        self,
+        kind: Kind,
+        request_id: str = "",
+        *,
+        epoch: int = 0,
+        layer: int = 0,
+        crc: int | None = None,
+        payload: Sequence[memoryview | bytes] = (),
+        nbytes: int | None = None,
+    ) -> None:
+        """Write one whole frame (header, id, payload buffers); raises PeerLostError."""
+        rid = request_id.encode()
+        parts = [_flat_bytes(p) for p in payload]
+        size = sum(p.nbytes for p in parts) if nbytes is None else nbytes
+        flags = 0 if crc is None else FLAG_CRC
+        head = _HEADER.pack(MAGIC, kind, flags, len(rid), layer, epoch, size, crc or 0) + rid
+        try:
+            with self._send_lock:
+                if len(parts) == 1 and parts[0].nbytes < 65536:
+                    self.sock.sendall(head + parts[0].tobytes())
+                    return
+                self.sock.sendall(head)
+                for part in parts:
+                    self.sock.sendall(part)
+        except OSError as exc:
+            self.close()
+            raise PeerLostError(f"send failed: {exc}") from exc
+
+    def send_json(self, kind: Kind, request_id: str = "", obj: object = None, **kw: int) -> None:
+        body = json.dumps({} if obj is None else obj).encode()
+        self.send(kind, request_id, payload=(body,), **kw)  # type: ignore[arg-type]
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def recv_header(self) -> Header | None:
+        """Next frame's header and request id; None on a clean close between frames."""
+        view = memoryview(self._header)
+        if not self._recv_exact(view, allow_eof=True):
+            return None
+        magic, kind, flags, rid_len, layer, epoch, nbytes, crc = _HEADER.unpack(self._header)
+        if magic != MAGIC:
+            raise PeerLostError(f"bad frame magic {magic:#x}: not a pdserve KV peer")
+        rid = b""
+        if rid_len:
+            raw = bytearray(rid_len)
+            self._recv_exact(memoryview(raw))
+            rid = bytes(raw)
+        return Header(Kind(kind), flags, rid.decode(), layer, epoch, nbytes, crc)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill `view` completely from the socket (a frame's payload)."""
+        self._recv_exact(view)
+
+    def recv_json(self, header: Header) -> dict[str, object]:
+        raw = bytearray(header.nbytes)
+        self._recv_exact(memoryview(raw))
+        obj = json.loads(raw) if raw else {}
+        if not isinstance(obj, dict):
+            raise PeerLostError("control payload is not a JSON object")
+        return obj
+
+    def discard(self, nbytes: int) -> None:
+        """Read and drop `nbytes` of payload (a frame for a transfer that already ended)."""
+        scratch = memoryview(self._scratch)
+        while nbytes > 0:
+            k = min(nbytes, len(scratch))
+            self._recv_exact(scratch[:k])
+            nbytes -= k
+
+    def _recv_exact(self, view: memoryview, allow_eof: bool = False) -> bool:
+        got = 0
+        total = view.nbytes
+        while got < total:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                if self._closed:
+                    raise PeerLostError("connection closed") from None
+                if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+                    raise PeerLostError("peer did not answer in time") from None
+                continue  # idle between frames (or a slow peer): liveness is the deadline's job
+            except OSError as exc:
+                raise PeerLostError(f"receive failed: {exc}") from exc
+            if n == 0:
+                if got == 0 and allow_eof:
+                    return False
+                raise PeerLostError("peer closed the connection mid-frame")
+            got += n
+        return True
+
+    def close(self) -> None:
+        """Idempotent; wakes a thread blocked in recv (it then sees EOF)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _flat_bytes(buffer: memoryview | bytes) -> memoryview:
+    """A 1-D unsigned-byte view of a C-contiguous buffer (numpy rows, tensors' memory)."""
+    view = memoryview(buffer)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")

@@ -1,0 +1,131 @@
+"""The Triton kernels equal the references (interpreted on the CPU, compiled on CUDA)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kernels.cache_write import write_kv_cache_ref
+from kernels.kv_pack import pack_kv_blocks_ref, packed_shape, unpack_kv_blocks_ref
+from kernels.metadata import AttentionMetadata
+from kernels.paged_attention import paged_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Triton picks interpreted or compiled when a function is decorated, including its own
+    # `triton.language` helpers, so the flag must be set before triton is first imported.
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from kernels.triton.cache_write import write_kv_cache_triton  # noqa: E402
+from kernels.triton.kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton  # noqa: E402
+from kernels.triton.paged_attention import paged_attention_triton  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def on_device(metadata: AttentionMetadata) -> AttentionMetadata:
+    return dataclasses.replace(
+        metadata,
+        slot_mapping=metadata.slot_mapping.to(DEVICE),
+        query_start_loc=metadata.query_start_loc.to(DEVICE),
+        seq_lens=metadata.seq_lens.to(DEVICE),
+        block_tables=metadata.block_tables.to(DEVICE),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", [(3, 16, 8), (2, 64, 16)])  # (kvH, head_dim, block_size)
+def test_cache_write(geometry: tuple[int, int, int], dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    kv_heads, head_dim, block_size = geometry
+    flat = torch.randn(2, 2, 6, block_size, kv_heads, head_dim).to(dtype)
+    k_ref, v_ref = flat[1, 0].clone(), flat[1, 1].clone()
+    k_cache, v_cache = flat.to(DEVICE)[1]
+    kv = torch.randn(9, 2 * kv_heads, head_dim).to(dtype)
+    key, value = kv[:, :kv_heads], kv[:, kv_heads:]  # strided, as from a fused projection
+    slots = torch.randperm(6 * block_size)[:9]
+    write_kv_cache_triton(key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    write_kv_cache_ref(key, value, k_ref, v_ref, slots)
+    torch.testing.assert_close(k_cache.cpu(), k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.cpu(), v_ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_and_unpack(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    flat = torch.randn(2, 2, 10, 8, 3, 16).to(dtype)
+    k_cache, v_cache = flat[0, 0], flat[0, 1]
+    ids = torch.tensor([7, 2, 9, 4])
+    out = torch.empty(packed_shape(k_cache, 4), dtype=dtype, device=DEVICE)
+    pack_kv_blocks_triton(k_cache.to(DEVICE), v_cache.to(DEVICE), ids.to(DEVICE), out)
+    expected = pack_kv_blocks_ref(k_cache, v_cache, ids)
+    torch.testing.assert_close(out.cpu(), expected, atol=0, rtol=0)
+
+    dst_k, dst_v = flat[1, 0].clone(), flat[1, 1].clone()
+    dst_ids = torch.tensor([0, 5, 3, 8])
+    k_dev, v_dev = dst_k.to(DEVICE), dst_v.to(DEVICE)
+    unpack_kv_blocks_triton(out, k_dev, v_dev, dst_ids.to(DEVICE))
+    unpack_kv_blocks_ref(expected, dst_k, dst_v, dst_ids)
+    torch.testing.assert_close(k_dev.cpu(), dst_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_dev.cpu(), dst_v, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "geometry"),
+    [
+        (torch.float32, (9, 3, 16, 8)),  # (num_heads, num_kv_heads, head_dim, block_size)
+        (torch.float32, (4, 4, 64, 16)),
+        pytest.param(
+            torch.bfloat16,
+            (4, 2, 16, 16),
+            marks=pytest.mark.skipif(
+                DEVICE == "cpu", reason="the interpreter's tl.dot multiplies bf16 bits as uint16"
+            ),
+        ),
+        (torch.float16, (4, 2, 64, 16)),
+        (torch.float16, (9, 3, 16, 8)),
+    ],
+)
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1], [1, 20, 37]), ([13, 1, 40, 0, 1], [30, 17, 40, 5, 9])],
+    ids=["decode", "mixed"],
+)
+def test_paged_attention(
+    paged_batch: Callable,
+    tolerances: dict,
+    query_lens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+    geometry: tuple[int, int, int, int],
+) -> None:
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim, block_size = geometry
+    batch = paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    scale = head_dim**-0.5
+    out = paged_attention_triton(
+        batch.query.to(DEVICE),
+        batch.k_cache.to(DEVICE),
+        batch.v_cache.to(DEVICE),
+        on_device(batch.metadata),
+        scale,
+    )
+    expected = paged_attention_ref(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    atol, rtol = tolerances[dtype]
+    torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=rtol)
