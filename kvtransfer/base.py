@@ -80,9 +80,7 @@ class KVLayoutMismatchError(KVTransferError):
     ) -> None:
         self.differences = dict(differences)
         self.labels = (ours, theirs)
-        listed = "; ".join(
-            f"{k}: {ours}={a!r} {theirs}={b!r}" for k, (a, b) in differences.items()
-        )
+        listed = "; ".join(f"{k}: {ours}={a!r} {theirs}={b!r}" for k, (a, b) in differences.items())
         super().__init__(f"KV layout mismatch between {ours} and {theirs}: {listed}")
 
 
@@ -218,6 +216,19 @@ class Ticket:
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.deadline - (time.time() if now is None else now)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOptions:
+    """Settings shared by every backend; the defaults suit serving, tests shorten them."""
+
+    checksum: bool = False  # sender: CRC32 of each layer's payload, verified by the receiver
+    io_timeout_s: float = 30.0  # a socket send stuck this long fails the connection
+    connect_timeout_s: float = 10.0  # connect + handshake (also capped by the ticket deadline)
+    fence_timeout_s: float = 5.0  # receiver: wait this long for a remote writer's ABORT_ACK
+    reap_interval_s: float = 0.05  # how often deadlines are checked
+    tombstone_ttl_s: float = 120.0  # ended transfers stay pollable this long
+    corrupt_layers: frozenset[int] = frozenset()  # test hook: sender damages these layers
 
 
 def new_epoch() -> int:

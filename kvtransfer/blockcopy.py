@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from kvtransfer import ntcopy
 
 STAGING_BYTES = 256 * 1024  # chunk of the two-sided path: fits in L2 on current CPUs
 MIN_MEAN_RUN = 4  # blocks per run below which per-run slice copies lose to fancy indexing
@@ -35,7 +37,7 @@ def block_rows(cache: torch.Tensor) -> np.ndarray:
     return cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy()
 
 
-def as_id_array(block_ids: Sequence[int] | torch.Tensor) -> np.ndarray:
+def as_id_array(block_ids: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
     """Block ids as a 1-D int64 numpy array."""
     if isinstance(block_ids, torch.Tensor):
         return block_ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
@@ -73,7 +75,8 @@ class CopyPlan:
     slices: tuple[tuple[int, int, int], ...] = ()  # (src_start, dst_start, length)
     src_index: tuple[np.ndarray, ...] = ()  # per step: source ids (gather/staged)
     dst_index: tuple[np.ndarray, ...] = ()  # per step: destination ids (scatter/staged)
-    num_blocks: int = 0
+    src_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    dst_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     @classmethod
     def build(
@@ -82,35 +85,47 @@ class CopyPlan:
         dst_ids: Sequence[int] | torch.Tensor | np.ndarray,
         row_bytes: int,
     ) -> CopyPlan:
-        src = src_ids if isinstance(src_ids, np.ndarray) else as_id_array(src_ids)
-        dst = dst_ids if isinstance(dst_ids, np.ndarray) else as_id_array(dst_ids)
+        src = np.ascontiguousarray(as_id_array(src_ids))
+        dst = np.ascontiguousarray(as_id_array(dst_ids))
         if src.shape != dst.shape:
             raise ValueError(f"{len(src)} source ids but {len(dst)} destination ids")
         n = len(src)
         runs = matched_runs(src, dst)
         if len(runs) * MIN_MEAN_RUN <= n or len(runs) <= 2:
-            return cls("slices", slices=tuple(runs), num_blocks=n)
+            return cls("slices", slices=tuple(runs), src_ids=src, dst_ids=dst)
         src_runs = contiguous_runs(src)
         if len(src_runs) * MIN_MEAN_RUN <= n:  # source in few runs: scatter each run
             steps = tuple((int(src[i]), 0, k) for i, k in src_runs)
-            return cls("scatter", steps, dst_index=tuple(dst[i : i + k] for i, k in src_runs),
-                       num_blocks=n)
+            return cls(
+                "scatter", steps, dst_index=tuple(dst[i : i + k] for i, k in src_runs), src_ids=src, dst_ids=dst
+            )
         dst_runs = contiguous_runs(dst)
         if len(dst_runs) * MIN_MEAN_RUN <= n:  # destination in few runs: gather into each
             steps = tuple((0, int(dst[i]), k) for i, k in dst_runs)
-            return cls("gather", steps, src_index=tuple(src[i : i + k] for i, k in dst_runs),
-                       num_blocks=n)
+            return cls(
+                "gather", steps, src_index=tuple(src[i : i + k] for i, k in dst_runs), src_ids=src, dst_ids=dst
+            )
         chunk = max(1, STAGING_BYTES // max(1, row_bytes))
         return cls(
             "staged",
             src_index=tuple(src[i : i + chunk] for i in range(0, n, chunk)),
             dst_index=tuple(dst[i : i + chunk] for i in range(0, n, chunk)),
-            num_blocks=n,
+            src_ids=src, dst_ids=dst,
         )
 
-    def copy(self, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
-        """Copy the planned rows from `src_rows` into `dst_rows` (both `[blocks, bytes]`)."""
-        if self.kind == "slices":
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_ids)
+
+    def copy(self, src_rows: np.ndarray, dst_rows: np.ndarray, streaming: bool = False) -> None:
+        """Copy the planned rows from `src_rows` into `dst_rows` (both `[blocks, bytes]`).
+
+        `streaming`: the destination will not be read by this core soon (another process's
+        cache, freshly landed network data): use streaming stores when available.
+        """
+        if streaming and ntcopy.available():
+            ntcopy.copy_rows(src_rows, dst_rows, self.src_ids, self.dst_ids)
+        elif self.kind == "slices":
             for s, d, k in self.slices:
                 dst_rows[d : d + k] = src_rows[s : s + k]
         elif self.kind == "scatter":
@@ -128,7 +143,7 @@ def rows_crc(rows: np.ndarray, ids: np.ndarray, crc: int = 0) -> int:
     """CRC32 of rows `ids` taken in order (consecutive ids are hashed as one span)."""
     for i, k in contiguous_runs(ids):
         start = int(ids[i])
-        crc = zlib.crc32(memoryview(rows[start : start + k]), crc)
+        crc = zlib.crc32(rows[start : start + k].data, crc)
     return crc
 
 

@@ -24,6 +24,7 @@ from kvtransfer.base import (
     Ticket,
     TransferAbortedError,
     TransferExpiredError,
+    TransferOptions,
     TransferState,
     new_epoch,
 )
@@ -42,26 +43,25 @@ class TableReceiver(KVReceiver):
         *,
         model_id: str,
         release: ReleaseFn,
+        options: TransferOptions,
         epoch: int | None = None,
-        fence_timeout_s: float = 5.0,
-        reap_interval_s: float = 0.05,
-        tombstone_ttl_s: float = 120.0,
     ) -> None:
         if kv_cache.spec != spec:
             raise ValueError(f"kv_cache spec {kv_cache.spec} != receiver spec {spec}")
         self.spec = spec
         self.layout = KVLayout.from_spec(spec, model_id)
         self.epoch = new_epoch() if epoch is None else epoch
+        self.options = options
         self._kv_cache = kv_cache
         self._table = TransferTable(
             release,
             release_on_done=False,
-            fence_timeout_s=fence_timeout_s,
-            tombstone_ttl_s=tombstone_ttl_s,
+            fence_timeout_s=options.fence_timeout_s,
+            tombstone_ttl_s=options.tombstone_ttl_s,
         )
         self._closed = False
         self._close_lock = threading.Lock()
-        self._reaper = Reaper(f"kv-{self.backend}-recv-reaper", reap_interval_s, self._reap)
+        self._reaper = Reaper(f"kv-{self.backend}-recv-reaper", options.reap_interval_s, self._reap)
 
     @property
     def kv_cache(self) -> KVCache:
@@ -96,7 +96,9 @@ class TableReceiver(KVReceiver):
         return self._table.require(request_id).error
 
     def abort(self, request_id: str) -> None:
-        self._terminate(request_id, TransferState.ABORTED, TransferAbortedError("aborted by decode"))
+        self._terminate(
+            request_id, TransferState.ABORTED, TransferAbortedError("aborted by decode")
+        )
 
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
         """End a transfer from this side (abort, expiry, failure); backends notify the peer."""
@@ -139,18 +141,18 @@ class TableSender(KVSender):
         *,
         model_id: str,
         release: ReleaseFn,
-        reap_interval_s: float = 0.05,
-        tombstone_ttl_s: float = 120.0,
+        options: TransferOptions,
     ) -> None:
         self.spec = spec
         self.layout = KVLayout.from_spec(spec, model_id)
+        self.options = options
         self._table = TransferTable(
-            release, release_on_done=True, tombstone_ttl_s=tombstone_ttl_s
+            release, release_on_done=True, tombstone_ttl_s=options.tombstone_ttl_s
         )
         self._records_lock = threading.Lock()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._reaper = Reaper(f"kv-{self.backend}-send-reaper", reap_interval_s, self._reap)
+        self._reaper = Reaper(f"kv-{self.backend}-send-reaper", options.reap_interval_s, self._reap)
 
     # -- records ---------------------------------------------------------------------------
 
@@ -212,7 +214,9 @@ class TableSender(KVSender):
         return self._table.require(request_id).error
 
     def abort(self, request_id: str) -> None:
-        self._terminate(request_id, TransferState.ABORTED, TransferAbortedError("aborted by prefill"))
+        self._terminate(
+            request_id, TransferState.ABORTED, TransferAbortedError("aborted by prefill")
+        )
 
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
         """End a transfer from this side: stop writing, tell the receiver, release."""

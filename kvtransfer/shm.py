@@ -21,6 +21,7 @@ it maps `/dev/shm/<name>` with `torch.from_file` and pre-faults the mapping once
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -36,6 +37,7 @@ from kvtransfer.base import (
     KVTransferError,
     PeerLostError,
     ReleaseFn,
+    TransferOptions,
 )
 from kvtransfer.blockcopy import CopyPlan, block_rows, layer_crc
 from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
@@ -50,7 +52,9 @@ PAGE_BYTES = 4096
 
 def _require_shm() -> None:
     if not os.path.isdir(SHM_DIR):
-        raise BackendUnavailableError(f"the shm backend needs Linux POSIX shared memory ({SHM_DIR})")
+        raise BackendUnavailableError(
+            f"the shm backend needs Linux POSIX shared memory ({SHM_DIR})"
+        )
 
 
 def _control_address(segment: str) -> str:
@@ -65,8 +69,9 @@ def _segment_of(endpoint: str) -> str:
 
 def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     """Map an existing segment as a flat uint8 tensor; the mapping dies with the tensor."""
-    return torch.from_file(os.path.join(SHM_DIR, segment), shared=True, size=nbytes,
-                           dtype=torch.uint8)
+    return torch.from_file(
+        os.path.join(SHM_DIR, segment), shared=True, size=nbytes, dtype=torch.uint8
+    )
 
 
 class ShmReceiver(StreamReceiver):
@@ -81,8 +86,9 @@ class ShmReceiver(StreamReceiver):
         *,
         model_id: str,
         release: ReleaseFn,
+        options: TransferOptions = TransferOptions(),
         name: str | None = None,
-        **options: float,
+        epoch: int | None = None,
     ) -> None:
         _require_shm()
         self._segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
@@ -97,7 +103,13 @@ class ShmReceiver(StreamReceiver):
             listener.bind(_control_address(self._segment))
             listener.listen(64)
             super().__init__(
-                spec, kv_cache, model_id=model_id, release=release, listener=listener, **options
+                spec,
+                kv_cache,
+                model_id=model_id,
+                release=release,
+                options=options,
+                listener=listener,
+                epoch=epoch,
             )
         except BaseException:
             self._unlink()
@@ -114,7 +126,9 @@ class ShmReceiver(StreamReceiver):
     def _welcome_extra(self, conn: SenderConnection) -> dict[str, object]:
         return {"segment": self._segment, "total_bytes": self.spec.total_bytes}
 
-    def _receive_layer(self, conn: SenderConnection, record: TransferRecord, header: Header) -> None:
+    def _receive_layer(
+        self, conn: SenderConnection, record: TransferRecord, header: Header
+    ) -> None:
         if header.nbytes:
             conn.fs.discard(header.nbytes)
             raise KVTransferError("shm LAYER frames carry no payload")
@@ -135,10 +149,8 @@ class ShmReceiver(StreamReceiver):
     def _unlink(self) -> None:
         owner, self._owner = self._owner, None
         if owner is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 owner.unlink()  # the memory itself goes when the last mapping does
-            except FileNotFoundError:
-                pass
 
 
 class ShmSender(StreamSender):
@@ -146,10 +158,16 @@ class ShmSender(StreamSender):
 
     backend = "shm"
 
-    def __init__(self, spec: KVCacheSpec, *, model_id: str, release: ReleaseFn,
-                 **options: object) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        options: TransferOptions = TransferOptions(),
+    ) -> None:
         _require_shm()
-        super().__init__(spec, model_id=model_id, release=release, **options)  # type: ignore[arg-type]
+        super().__init__(spec, model_id=model_id, release=release, options=options)
 
     def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -180,7 +198,9 @@ class ShmSender(StreamSender):
     def _on_disconnected(self, conn: ReceiverConnection) -> None:
         conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views
 
-    def _write_layer(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> None:
+    def _write_layer(
+        self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
+    ) -> None:
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
         rows = conn.state["rows"]
         assert isinstance(rows, np.ndarray)
@@ -196,8 +216,8 @@ class ShmSender(StreamSender):
         with record.write_lock:
             if record.state.is_terminal:
                 return
-            plan.copy(src_k, rows[layer, 0])
-            plan.copy(src_v, rows[layer, 1])
+            plan.copy(src_k, rows[layer, 0], streaming=True)
+            plan.copy(src_v, rows[layer, 1], streaming=True)
             crc = None
             if self.checksum:
                 src_ids = record.cache["src_ids"]

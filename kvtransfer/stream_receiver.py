@@ -16,6 +16,7 @@ acknowledges, dies (connection EOF) or `fence_timeout_s` passes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -31,6 +32,7 @@ from kvtransfer.base import (
     PeerLostError,
     ReleaseFn,
     StaleEpochError,
+    TransferOptions,
     TransferState,
     UnknownTransferError,
     error_from_wire,
@@ -73,12 +75,13 @@ class StreamReceiver(TableReceiver):
         *,
         model_id: str,
         release: ReleaseFn,
+        options: TransferOptions,
         listener: socket.socket,
-        io_timeout_s: float = 30.0,
-        handshake_timeout_s: float = 10.0,
-        **table_options: float,
+        epoch: int | None = None,
     ) -> None:
-        super().__init__(spec, kv_cache, model_id=model_id, release=release, **table_options)
+        super().__init__(
+            spec, kv_cache, model_id=model_id, release=release, options=options, epoch=epoch
+        )
         # [layers, 2, blocks, bytes_per_block]: byte rows of the whole cache (CPU backends)
         self._rows: np.ndarray | None = None
         if kv_cache.flat.device.type == "cpu":
@@ -87,8 +90,6 @@ class StreamReceiver(TableReceiver):
                 .reshape(spec.num_layers, 2, spec.num_blocks, -1)
                 .numpy()
             )
-        self._io_timeout_s = io_timeout_s
-        self._handshake_timeout_s = handshake_timeout_s
         self._listener = listener
         self._listener.settimeout(0.2)
         self._connections: set[SenderConnection] = set()
@@ -100,7 +101,9 @@ class StreamReceiver(TableReceiver):
 
     # -- backend hooks ---------------------------------------------------------------------
 
-    def _receive_layer(self, conn: SenderConnection, record: TransferRecord, header: Header) -> None:
+    def _receive_layer(
+        self, conn: SenderConnection, record: TransferRecord, header: Header
+    ) -> None:
         """Consume one LAYER frame's payload and land it; raise KVTransferError to fail it."""
         raise NotImplementedError
 
@@ -127,7 +130,9 @@ class StreamReceiver(TableReceiver):
                 continue
             except OSError:
                 return
-            conn = SenderConnection(FrameSocket(sock, self._io_timeout_s), str(sock.fileno()))
+            conn = SenderConnection(
+                FrameSocket(sock, self.options.io_timeout_s), str(sock.fileno())
+            )
             with self._connections_lock:
                 if self._closed:
                     conn.fs.close()
@@ -151,7 +156,7 @@ class StreamReceiver(TableReceiver):
             self._drop(conn)
 
     def _handshake(self, conn: SenderConnection) -> bool:
-        conn.fs.limit_reads(self._handshake_timeout_s)
+        conn.fs.limit_reads(self.options.connect_timeout_s)
         header = conn.fs.recv_header()
         if header is None:
             return False
@@ -274,7 +279,9 @@ class StreamReceiver(TableReceiver):
         if not record.state.is_terminal:
             complete = (1 << self.spec.num_layers) - 1
             if header.layer != self.spec.num_layers or record.layers_mask != complete:
-                missing = [i for i in range(self.spec.num_layers) if not record.layers_mask >> i & 1]
+                missing = [
+                    i for i in range(self.spec.num_layers) if not record.layers_mask >> i & 1
+                ]
                 self._terminate(
                     rid, TransferState.FAILED, KVTransferError(f"finished without layers {missing}")
                 )
@@ -293,18 +300,14 @@ class StreamReceiver(TableReceiver):
         conn = record.peer if record is not None else None
         if not isinstance(conn, SenderConnection):
             return
-        try:
+        with contextlib.suppress(PeerLostError):
             conn.fs.send_json(Kind.ABORT, request_id, error_to_wire(error), layer=state.code)
-        except PeerLostError:
-            pass
         if not conn.alive or conn.fs.closed:
             self._table.unfence(request_id, conn)
 
     def _shutdown(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._listener.close()
-        except OSError:
-            pass
         self._accept_thread.join(timeout=5.0)
         with self._connections_lock:
             connections = list(self._connections)

@@ -13,6 +13,7 @@ it stops our writes (under the record's write_lock), answers ABORT_ACK, and rele
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -33,6 +34,7 @@ from kvtransfer.base import (
     StaleEpochError,
     Ticket,
     TransferExpiredError,
+    TransferOptions,
     TransferState,
     error_from_wire,
     error_to_wire,
@@ -88,17 +90,13 @@ class StreamSender(TableSender):
         *,
         model_id: str,
         release: ReleaseFn,
-        checksum: bool = False,
-        io_timeout_s: float = 30.0,
-        connect_timeout_s: float = 10.0,
-        corrupt_layers: frozenset[int] = frozenset(),
-        **table_options: float,
+        options: TransferOptions,
     ) -> None:
-        super().__init__(spec, model_id=model_id, release=release, **table_options)
-        self.checksum = checksum
-        self.corrupt_layers = corrupt_layers  # test hook: damage these layers after checksumming
-        self._io_timeout_s = io_timeout_s
-        self._connect_timeout_s = connect_timeout_s
+        super().__init__(spec, model_id=model_id, release=release, options=options)
+        self.checksum = options.checksum
+        self.corrupt_layers = options.corrupt_layers
+        self._io_timeout_s = options.io_timeout_s
+        self._connect_timeout_s = options.connect_timeout_s
         self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
         self._connections: dict[str, ReceiverConnection] = {}
         self._connections_lock = threading.Lock()
@@ -116,7 +114,9 @@ class StreamSender(TableSender):
     def _on_welcome(self, conn: ReceiverConnection) -> None:
         """After the handshake (shm: map the segment; nccl: join the communicator)."""
 
-    def _write_layer(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> None:
+    def _write_layer(
+        self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
+    ) -> None:
         """Move one layer and send its LAYER frame."""
         raise NotImplementedError
 
@@ -191,8 +191,9 @@ class StreamSender(TableSender):
             self._write_layer(conn, record, item)
             self._table.mark_layer(record, item.layer)
         else:
-            conn.fs.send(Kind.FINISH, ticket.request_id, epoch=ticket.epoch,
-                         layer=self.spec.num_layers)
+            conn.fs.send(
+                Kind.FINISH, ticket.request_id, epoch=ticket.epoch, layer=self.spec.num_layers
+            )
 
     def _begin(self, conn: ReceiverConnection, record: TransferRecord, ticket: Ticket) -> None:
         _check_epoch(ticket, conn)
@@ -316,11 +317,10 @@ class StreamSender(TableSender):
             return
         _resolve(conn.pending.get(record.request_id), RejectedError(state, error))
         if conn.alive:
-            try:
-                conn.fs.send_json(Kind.ABORT, record.request_id, error_to_wire(error),
-                                  layer=state.code)
-            except PeerLostError:
-                pass
+            with contextlib.suppress(PeerLostError):
+                conn.fs.send_json(
+                    Kind.ABORT, record.request_id, error_to_wire(error), layer=state.code
+                )
 
     def _shutdown(self) -> None:
         self._queue.put(None)

@@ -18,7 +18,7 @@ import zlib
 import numpy as np
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.base import ChecksumMismatchError, KVTransferError, ReleaseFn
+from kvtransfer.base import ChecksumMismatchError, KVTransferError, ReleaseFn, TransferOptions
 from kvtransfer.blockcopy import CopyPlan, block_rows
 from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
 from kvtransfer.stream_sender import LayerItem, ReceiverConnection, StreamSender
@@ -62,10 +62,11 @@ class TcpReceiver(StreamReceiver):
         *,
         model_id: str,
         release: ReleaseFn,
+        options: TransferOptions = TransferOptions(),
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
-        **options: float,
+        epoch: int | None = None,
     ) -> None:
         listener = listen_tcp(host, port)
         self._advertised = (advertise_host or host, listener.getsockname()[1])
@@ -75,8 +76,9 @@ class TcpReceiver(StreamReceiver):
                 kv_cache if kv_cache is not None else KVCache.allocate(spec),
                 model_id=model_id,
                 release=release,
+                options=options,
                 listener=listener,
-                **options,
+                epoch=epoch,
             )
         except BaseException:
             listener.close()
@@ -87,7 +89,9 @@ class TcpReceiver(StreamReceiver):
         host, port = self._advertised
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
-    def _receive_layer(self, conn: SenderConnection, record: TransferRecord, header: Header) -> None:
+    def _receive_layer(
+        self, conn: SenderConnection, record: TransferRecord, header: Header
+    ) -> None:
         assert self._rows is not None
         n, row_bytes = len(record.block_ids), self._rows.shape[-1]
         expected = 2 * n * row_bytes
@@ -95,9 +99,9 @@ class TcpReceiver(StreamReceiver):
             conn.fs.discard(header.nbytes)
             raise KVTransferError(f"layer payload of {header.nbytes} bytes, expected {expected}")
         payload = conn.staging(expected)
-        conn.fs.recv_into(memoryview(payload))
+        conn.fs.recv_into(payload.data)
         if header.has_crc:
-            crc = zlib.crc32(payload)
+            crc = zlib.crc32(payload.data)
             if crc != header.crc:
                 raise ChecksumMismatchError(
                     f"layer {header.layer} of {record.request_id!r}: payload crc32 {crc:#010x}, "
@@ -112,8 +116,8 @@ class TcpReceiver(StreamReceiver):
         with record.write_lock:
             if record.state.is_terminal:
                 return
-            plan.copy(halves[0], self._rows[header.layer, 0])
-            plan.copy(halves[1], self._rows[header.layer, 1])
+            plan.copy(halves[0], self._rows[header.layer, 0], streaming=True)
+            plan.copy(halves[1], self._rows[header.layer, 1], streaming=True)
 
 
 class TcpSender(StreamSender):
@@ -121,15 +125,23 @@ class TcpSender(StreamSender):
 
     backend = "tcp"
 
-    def __init__(self, spec: KVCacheSpec, *, model_id: str, release: ReleaseFn,
-                 **options: object) -> None:
-        super().__init__(spec, model_id=model_id, release=release, **options)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        model_id: str,
+        release: ReleaseFn,
+        options: TransferOptions = TransferOptions(),
+    ) -> None:
+        super().__init__(spec, model_id=model_id, release=release, options=options)
         self._pack = np.empty(0, dtype=np.uint8)
 
     def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
         return connect_tcp(endpoint, timeout_s)
 
-    def _write_layer(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> None:
+    def _write_layer(
+        self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
+    ) -> None:
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
         src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
         n, row_bytes = len(item.src_ids), src_k.shape[1]
@@ -140,15 +152,14 @@ class TcpSender(StreamSender):
             )
         corrupt = item.layer in self.corrupt_layers
         if plan.kind == "slices" and not corrupt:  # a few source runs: send them in place
-            parts = [memoryview(rows[s : s + k]) for rows in (src_k, src_v)
-                     for s, _, k in plan.slices]
+            parts = [rows[s : s + k].data for rows in (src_k, src_v) for s, _, k in plan.slices]
         else:
             if self._pack.nbytes < 2 * n * row_bytes:
                 self._pack = np.empty(2 * n * row_bytes, dtype=np.uint8)
             packed = self._pack[: 2 * n * row_bytes].reshape(2, n, row_bytes)
             plan.copy(src_k, packed[0])
             plan.copy(src_v, packed[1])
-            parts = [memoryview(packed)]
+            parts = [packed.data]
         crc = None
         if self.checksum:
             crc = 0
@@ -158,5 +169,11 @@ class TcpSender(StreamSender):
             packed[0, 0, 0] ^= 0xFF
         if record.state.is_terminal:
             return
-        conn.fs.send(Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=item.layer,
-                     crc=crc, payload=parts)
+        conn.fs.send(
+            Kind.LAYER,
+            record.request_id,
+            epoch=item.ticket.epoch,
+            layer=item.layer,
+            crc=crc,
+            payload=parts,
+        )

@@ -13,6 +13,7 @@ frames but never bytes; payloads are read with `recv_into` into caller-owned buf
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import socket
@@ -69,10 +70,8 @@ class FrameSocket:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, opt, _SOCKET_BUFFER_BYTES)
-            except OSError:
-                pass
         sock.settimeout(io_timeout_s)
         self._io_timeout_s = io_timeout_s
         self._send_lock = threading.Lock()
@@ -188,10 +187,8 @@ class FrameSocket:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
 

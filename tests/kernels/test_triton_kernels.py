@@ -18,7 +18,8 @@ from kernels.paged_attention import paged_attention_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # Triton picks interpreted or compiled when a function is decorated, including its own
-    # `triton.language` helpers, so the flag must be set before triton is first imported.
+    # `triton.language` helpers, so the flag must be set before triton is first imported;
+    # it stays set, as triton also reads it while running interpreted kernels.
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
     os.environ["TRITON_INTERPRET"] = "1"

@@ -1,0 +1,174 @@
+"""Block-row copies with non-temporal (streaming) stores, for KV blocks bound elsewhere.
+
+Why: glibc's memcpy switches to streaming stores only for copies of tens of MiB; a KV
+block (12 KiB for a 135M model) is copied with ordinary stores, which first read every
+destination line into the cache (read-for-ownership) and then evict it: about half a
+large memcpy's bandwidth on the machines we measured. Blocks written into another
+process's cache (shm) or landed from the network (tcp) are not read again by this core,
+so streaming stores are the right tool. `copy_rows` does a whole layer's gather/scatter
+in one call (GIL released), with AVX-512 streaming stores where the CPU has them, SSE2
+otherwise, and plain memcpy off x86.
+
+The ~40-line C helper below is compiled on first use with the system C compiler (the
+one Triton also needs) into the user cache directory; without a compiler `available()`
+is False and callers fall back to numpy row copies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx512f")))
+static void row_avx512(uint8_t* d, const uint8_t* s, int64_t n) {
+    if ((uintptr_t)d & 63) {
+        int64_t k = 64 - (int64_t)((uintptr_t)d & 63);
+        if (k > n) k = n;
+        memcpy(d, s, k); d += k; s += k; n -= k;
+    }
+    for (; n >= 256; n -= 256, s += 256, d += 256) {
+        __m512i a = _mm512_loadu_si512((const void*)s);
+        __m512i b = _mm512_loadu_si512((const void*)(s + 64));
+        __m512i c = _mm512_loadu_si512((const void*)(s + 128));
+        __m512i e = _mm512_loadu_si512((const void*)(s + 192));
+        _mm512_stream_si512((void*)d, a);
+        _mm512_stream_si512((void*)(d + 64), b);
+        _mm512_stream_si512((void*)(d + 128), c);
+        _mm512_stream_si512((void*)(d + 192), e);
+    }
+    if (n) memcpy(d, s, n);
+}
+
+static void row_sse2(uint8_t* d, const uint8_t* s, int64_t n) {
+    if ((uintptr_t)d & 15) {
+        int64_t k = 16 - (int64_t)((uintptr_t)d & 15);
+        if (k > n) k = n;
+        memcpy(d, s, k); d += k; s += k; n -= k;
+    }
+    for (; n >= 64; n -= 64, s += 64, d += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i*)s);
+        __m128i b = _mm_loadu_si128((const __m128i*)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i*)(s + 32));
+        __m128i e = _mm_loadu_si128((const __m128i*)(s + 48));
+        _mm_stream_si128((__m128i*)d, a);
+        _mm_stream_si128((__m128i*)(d + 16), b);
+        _mm_stream_si128((__m128i*)(d + 32), c);
+        _mm_stream_si128((__m128i*)(d + 48), e);
+    }
+    if (n) memcpy(d, s, n);
+}
+#endif
+
+/* dst[dst_ids[i]] = src[src_ids[i]] for i < n, rows of row_bytes bytes. */
+void pd_copy_rows(uint8_t* dst, const uint8_t* src, const int64_t* dst_ids,
+                  const int64_t* src_ids, int64_t n, int64_t row_bytes) {
+#if defined(__x86_64__)
+    int wide = __builtin_cpu_supports("avx512f");
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t* d = dst + dst_ids[i] * row_bytes;
+        const uint8_t* s = src + src_ids[i] * row_bytes;
+        if (wide) row_avx512(d, s, row_bytes); else row_sse2(d, s, row_bytes);
+    }
+    _mm_sfence();
+#else
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + dst_ids[i] * row_bytes, src + src_ids[i] * row_bytes, row_bytes);
+#endif
+}
+"""
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "pdserve")
+    try:
+        os.makedirs(path, exist_ok=True)
+        return path
+    except OSError:
+        return tempfile.gettempdir()
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    digest = hashlib.sha256((_SOURCE + platform.machine()).encode()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"ntcopy-{digest}.so")
+    if not os.path.exists(target):
+        compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        if compiler is None:
+            logger.info("no C compiler: KV block copies use numpy (ordinary stores)")
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            source = os.path.join(tmp, "ntcopy.c")
+            with open(source, "w") as f:
+                f.write(_SOURCE)
+            built = os.path.join(tmp, "ntcopy.so")
+            cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", built, source]
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            if result.returncode != 0:
+                logger.warning("building the streaming-copy helper failed: %s", result.stderr)
+                return None
+            os.replace(built, target + f".{os.getpid()}")
+            os.replace(target + f".{os.getpid()}", target)  # atomic: racing builds are fine
+    lib = ctypes.CDLL(target)
+    fn = lib.pd_copy_rows
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64]
+    fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether streaming copies are available (builds the helper on first call)."""
+    try:
+        return _library() is not None
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("streaming-copy helper unavailable: %s", exc)
+        return False
+
+
+def copy_rows(
+    src_rows: np.ndarray, dst_rows: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray
+) -> None:
+    """`dst_rows[dst_ids] = src_rows[src_ids]` with streaming stores; bounds are checked.
+
+    Rows are C-contiguous `[num_rows, row_bytes]` uint8 matrices; ids are int64 vectors.
+    """
+    lib = _library()
+    assert lib is not None, "check available() first"
+    n = len(src_ids)
+    if n != len(dst_ids):
+        raise ValueError(f"{n} source ids but {len(dst_ids)} destination ids")
+    if src_rows.shape[1] != dst_rows.shape[1]:
+        raise ValueError(f"row sizes differ: {src_rows.shape[1]} vs {dst_rows.shape[1]}")
+    for rows, ids in ((src_rows, src_ids), (dst_rows, dst_ids)):
+        if not rows.flags.c_contiguous or rows.dtype != np.uint8:
+            raise ValueError("rows must be C-contiguous uint8")
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            raise ValueError("ids must be a contiguous int64 vector")
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= rows.shape[0]):
+            raise IndexError(f"block id out of range [0, {rows.shape[0]})")
+    if n:
+        lib.pd_copy_rows(
+            dst_rows.ctypes.data,
+            src_rows.ctypes.data,
+            dst_ids.ctypes.data,
+            src_ids.ctypes.data,
+            n,
+            src_rows.shape[1],
+        )
