@@ -53,9 +53,11 @@ class ModelSettings(_Strict):
         default=16, description="Tokens per KV block (a power of two in 1..128)."
     )
     kv_cache_bytes: int = Field(
-        default=256 * 1024**2, gt=0, description="KV budget per replica, bytes."
+        default=256 * 1024**2, gt=0, description="KV-cache budget of one replica, in bytes."
     )
-    max_num_batched_tokens: int = Field(default=2048, gt=0, description="Token budget of one step.")
+    max_num_batched_tokens: int = Field(
+        default=2048, gt=0, description="Token budget of one engine step."
+    )
     max_num_seqs: int = Field(default=64, gt=0, description="Requests running at once per replica.")
     long_prefill_token_threshold: int = Field(
         default=512, gt=0, description="Largest prefill chunk of one prompt per step."
@@ -105,7 +107,7 @@ class AutoscalingSettings(_Strict):
     min_replicas: int = Field(default=1, ge=1, description="Replicas kept at all times.")
     max_replicas: int = Field(default=1, ge=1, description="Most replicas scaled up to.")
     target_ongoing_requests: float = Field(
-        default=8.0, gt=0, description="Target load per replica."
+        default=8.0, gt=0, description="Ongoing requests per replica the autoscaler aims for."
     )
 
     @model_validator(mode="after")
@@ -147,7 +149,9 @@ class PoolConfig(_Strict):
         default=None, ge=1, description="Prefill only: longest prompt served (default unbounded)."
     )
     max_ongoing_requests: int = Field(
-        default=64, ge=1, description="Requests in flight per replica."
+        default=64,
+        ge=1,
+        description="Requests Serve sends one replica at once (Serve's own limit).",
     )
 
     @field_validator("resources")
@@ -212,7 +216,9 @@ class TransferSettings(_Strict):
         description="shm: same host; tcp: across hosts; nccl: GPU; local: in-process.",
     )
     deadline_s: float = Field(
-        default=30.0, gt=0, description="Seconds decode waits for a request's KV."
+        default=30.0,
+        gt=0,
+        description="Seconds a decode replica waits for a request's KV before failing it.",
     )
     checksum: bool = Field(default=False, description="Checksum blocks to detect corruption.")
 
@@ -278,8 +284,11 @@ class PDServeConfig(_Strict):
     tenants: list[TenantConfig] = Field(
         default_factory=list, description='Empty = no auth: one anonymous tenant "".'
     )
-    limits: LimitSettings = Field(default_factory=LimitSettings, description="Size limits.")
-    http: HttpSettings = Field(default_factory=HttpSettings, description="HTTP listener.")
+    limits: LimitSettings = Field(default_factory=LimitSettings, description="Request size limits.")
+    http: HttpSettings = Field(
+        default_factory=HttpSettings,
+        description="HTTP listener (same as the Serve file's http_options).",
+    )
     app_name: str = Field(default="pdserve", min_length=1, description="Serve application name.")
     route_prefix: str = Field(default="/", pattern=r"^/", description="HTTP route prefix.")
 

@@ -18,6 +18,7 @@ The last stdout line is one JSON object (a list with several --tokens).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import multiprocessing as mp
@@ -26,9 +27,8 @@ import socket
 import statistics
 import struct
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -60,11 +60,11 @@ class Geometry:
 def load_geometry(model_dir: str, dtype: str) -> Geometry:
     """KV geometry of a Hugging Face model directory (only config.json is read)."""
     try:
-        from engine.loader import load_model_config  # type: ignore[import-not-found]
-    except ImportError:
-        load_model_config = None
-    if load_model_config is not None:
-        config = load_model_config(model_dir)
+        loader = importlib.import_module("engine.loader")
+    except ImportError:  # the engine's loader is optional here: read the few fields ourselves
+        loader = None
+    if loader is not None:
+        config = loader.load_model_config(model_dir, dtype)
         return Geometry(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype
         )
@@ -172,7 +172,7 @@ def _stream_reference(conn: Connection, nbytes: int, sink: np.ndarray) -> float:
         with sock:
             stamp = bytearray(_STAMP.size)
             sock.recv_into(stamp, _STAMP.size, socket.MSG_WAITALL)
-            view, got = memoryview(sink)[:nbytes], 0
+            view, got = sink[:nbytes].data, 0
             while got < nbytes:
                 got += sock.recv_into(view[got:])
             elapsed = time.perf_counter() - _STAMP.unpack(stamp)[0]
@@ -310,8 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     sink = np.zeros(max_blocks * geometry.spec(1, args.block_size).bytes_per_block, np.uint8)
     results: list[dict[str, object]] = []
     try:
-        with tqdm(total=2 * args.repeats * len(args.tokens), file=sys.stderr,
-                  desc=f"transfer[{args.backend}]") as bar:
+        with tqdm(
+            total=2 * args.repeats * len(args.tokens),
+            file=sys.stderr,
+            desc=f"transfer[{args.backend}]",
+        ) as bar:
             for tokens in args.tokens:
                 results.append(_measure(args, parent, receiver, geometry, tokens, rng, bar, sink))
     finally:
@@ -322,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         receiver.close()
     if not args.json:
         for row in results:
+            assert isinstance(row["bytes"], int)
             print(
                 f"{row['backend']} {row['tokens']:>6} tok {row['bytes'] / 1e6:8.1f} MB  "
                 f"{row['transfer_gb_s']:6.2f} GB/s (ref {row['reference_gb_s']:.2f}, "

@@ -132,7 +132,11 @@ def error_to_wire(error: KVTransferError | None) -> dict[str, object]:
         return {}
     if isinstance(error, KVLayoutMismatchError):
         diffs = {k: [a, b] for k, (a, b) in error.differences.items()}
-        return {"error": "KVLayoutMismatchError", "differences": diffs, "labels": error.labels}
+        return {
+            "error": "KVLayoutMismatchError",
+            "differences": diffs,
+            "labels": list(error.labels),
+        }
     return {"error": type(error).__name__, "message": str(error)}
 
 
@@ -142,7 +146,8 @@ def error_from_wire(obj: dict[str, object], context: str) -> KVTransferError:
     if name == "KVLayoutMismatchError":
         raw = obj.get("differences", {})
         labels = obj.get("labels", ["remote", "local"])
-        assert isinstance(raw, dict) and isinstance(labels, list)
+        if not isinstance(raw, dict) or not isinstance(labels, list | tuple):
+            return KVTransferError(f"{context}: malformed layout mismatch report")
         diffs = {k: (v[0], v[1]) for k, v in raw.items()}
         return KVLayoutMismatchError(diffs, str(labels[0]), str(labels[1]))
     cls = _ERRORS.get(name, KVTransferError)
@@ -315,8 +320,8 @@ class KVSender(abc.ABC):
     """Prefill side: streams one request's layers to the ticket's receiver.
 
     Thread-safe. `release(request_id)` is called exactly once for every request id given to
-    `send_layer`, `finish` or `abort`, when its transfer reaches any terminal state: the
-    source blocks are then no longer read and may be freed.
+    a successful `connect`, or to `send_layer`, `finish` or `abort`, when its transfer
+    reaches any terminal state: the source blocks are then no longer read and may be freed.
     """
 
     backend: str
@@ -328,7 +333,9 @@ class KVSender(abc.ABC):
         """Optional: called by prefill when a ticket arrives, before computing.
 
         Performs the handshake now and raises `KVLayoutMismatchError`, `StaleEpochError` or
-        `PeerLostError` instead of failing the transfer later. Frees nothing.
+        `PeerLostError` instead of failing the transfer later. On success the transfer is
+        registered (PENDING): an `abort` from now on reaches the receiver even before the
+        first layer, and `release` will follow its end. Frees nothing.
         """
 
     @abc.abstractmethod

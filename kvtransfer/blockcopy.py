@@ -97,20 +97,29 @@ class CopyPlan:
         if len(src_runs) * MIN_MEAN_RUN <= n:  # source in few runs: scatter each run
             steps = tuple((int(src[i]), 0, k) for i, k in src_runs)
             return cls(
-                "scatter", steps, dst_index=tuple(dst[i : i + k] for i, k in src_runs), src_ids=src, dst_ids=dst
+                "scatter",
+                steps,
+                dst_index=tuple(dst[i : i + k] for i, k in src_runs),
+                src_ids=src,
+                dst_ids=dst,
             )
         dst_runs = contiguous_runs(dst)
         if len(dst_runs) * MIN_MEAN_RUN <= n:  # destination in few runs: gather into each
             steps = tuple((0, int(dst[i]), k) for i, k in dst_runs)
             return cls(
-                "gather", steps, src_index=tuple(src[i : i + k] for i, k in dst_runs), src_ids=src, dst_ids=dst
+                "gather",
+                steps,
+                src_index=tuple(src[i : i + k] for i, k in dst_runs),
+                src_ids=src,
+                dst_ids=dst,
             )
         chunk = max(1, STAGING_BYTES // max(1, row_bytes))
         return cls(
             "staged",
             src_index=tuple(src[i : i + chunk] for i in range(0, n, chunk)),
             dst_index=tuple(dst[i : i + chunk] for i in range(0, n, chunk)),
-            src_ids=src, dst_ids=dst,
+            src_ids=src,
+            dst_ids=dst,
         )
 
     @property

@@ -178,6 +178,7 @@ class LocalSender(TableSender):
         receiver = self._receiver(ticket)
         if ticket.epoch != receiver.epoch:
             raise StaleEpochError(f"ticket epoch {ticket.epoch} != receiver {receiver.epoch}")
+        self._record(ticket)
 
     def send_layer(
         self,
@@ -233,3 +234,10 @@ class LocalSender(TableSender):
         receiver, remote = record.peer, record.cache.get("remote")
         if isinstance(receiver, LocalReceiver) and isinstance(remote, TransferRecord):
             receiver.end_from_sender(remote.request_id, state, error)
+            return
+        ticket = record.ticket
+        if receiver is None and state is TransferState.ABORTED and ticket is not None:
+            with _RECEIVERS_LOCK:  # aborted before the first layer: still tell the receiver
+                target = _RECEIVERS.get(ticket.endpoint)
+            if target is not None and target.epoch == ticket.epoch:
+                target.end_from_sender(ticket.request_id, state, error)

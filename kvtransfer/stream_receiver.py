@@ -214,7 +214,8 @@ class StreamReceiver(TableReceiver):
         elif kind is Kind.ABORT:
             body = conn.fs.recv_json(header)
             record = self._table.get(rid)
-            if record is not None and record.peer is conn:
+            unbound = record is not None and record.peer is None and header.epoch == self.epoch
+            if record is not None and (record.peer is conn or unbound):
                 state = TransferState.from_code(header.layer)
                 self._table.finish(rid, state, error_from_wire(body, "sender"))
                 self._table.unfence(rid, conn)  # the sender stopped before telling us

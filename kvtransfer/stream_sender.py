@@ -33,6 +33,7 @@ from kvtransfer.base import (
     ReleaseFn,
     StaleEpochError,
     Ticket,
+    TransferAbortedError,
     TransferExpiredError,
     TransferOptions,
     TransferState,
@@ -56,10 +57,13 @@ class RejectedError(KVTransferError):
         self.cause = error
 
 
+FINISH_ITEM, ABORT_ITEM = -1, -2
+
+
 @dataclass(slots=True)
 class LayerItem:
     ticket: Ticket
-    layer: int  # -1: the finish marker
+    layer: int  # >= 0: a layer; FINISH_ITEM; ABORT_ITEM: tell the receiver we aborted
     k_cache: torch.Tensor | None = None
     v_cache: torch.Tensor | None = None
     src_ids: np.ndarray | None = None
@@ -133,6 +137,7 @@ class StreamSender(TableSender):
         self.layout.check_matches(ticket.layout, "sender", "ticket")
         conn = self._connection(ticket.endpoint, timeout_s)
         _check_epoch(ticket, conn)
+        self._record(ticket)
 
     def send_layer(
         self,
@@ -153,12 +158,15 @@ class StreamSender(TableSender):
         if self._closed:
             raise RuntimeError("sender is closed")
         if self._record(ticket) is not None:
-            self._queue.put(LayerItem(ticket, -1))
+            self._queue.put(LayerItem(ticket, FINISH_ITEM))
 
     # -- worker ----------------------------------------------------------------------------
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
+            if item.layer == ABORT_ITEM:
+                self._send_unbound_abort(item.ticket)
+                continue
             record = self._table.get(item.ticket.request_id)
             if record is None or record.ticket != item.ticket or record.state.is_terminal:
                 continue
@@ -193,6 +201,26 @@ class StreamSender(TableSender):
         else:
             conn.fs.send(
                 Kind.FINISH, ticket.request_id, epoch=ticket.epoch, layer=self.spec.num_layers
+            )
+
+    def _send_unbound_abort(self, ticket: Ticket) -> None:
+        """Tell the receiver about an abort that happened before BEGIN (best effort)."""
+        timeout_s = min(self._connect_timeout_s, ticket.seconds_left())
+        if timeout_s <= 0:
+            return  # the receiver expires it on its own
+        error = TransferAbortedError("aborted by prefill before sending")
+        try:
+            conn = self._connection(ticket.endpoint, timeout_s)
+            conn.fs.send_json(
+                Kind.ABORT,
+                ticket.request_id,
+                error_to_wire(error),
+                epoch=ticket.epoch,
+                layer=TransferState.ABORTED.code,
+            )
+        except KVTransferError as exc:
+            logger.debug(
+                "could not tell %s about aborting %r: %s", ticket.endpoint, ticket.request_id, exc
             )
 
     def _begin(self, conn: ReceiverConnection, record: TransferRecord, ticket: Ticket) -> None:
@@ -313,6 +341,9 @@ class StreamSender(TableSender):
         self, record: TransferRecord, state: TransferState, error: KVTransferError
     ) -> None:
         conn = record.peer
+        if conn is None and state is TransferState.ABORTED and record.ticket is not None:
+            self._queue.put(LayerItem(record.ticket, ABORT_ITEM))
+            return
         if not isinstance(conn, ReceiverConnection):
             return
         _resolve(conn.pending.get(record.request_id), RejectedError(state, error))

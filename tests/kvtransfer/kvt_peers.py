@@ -36,19 +36,29 @@ class SendJob:
     model_id: str = "test-model"
     options: TransferOptions = field(default_factory=TransferOptions)
     layer_delay_s: float = 0.0  # simulated compute before each layer
-    abort_after_layer: int | None = None  # the sender aborts every ticket after this layer
+    abort_after_layer: int | None = None  # sender aborts every ticket after it (-1: first)
     hang_after_layer: int | None = None  # send_then_hang: stall after this layer
     finish: bool = True
     connect_first: bool = False  # call sender.connect(ticket) first and report its error
     wait_s: float = 10.0
+    device: str = "cpu"  # where the source cache lives (nccl: a CUDA device)
 
 
 def run_job(job: SendJob) -> dict[str, object]:
     """Do the job; report per-ticket final states, errors, releases and timestamps."""
     released: list[str] = []
     cache = source_cache(job.spec, job.seed)
+    extra: dict[str, object] = {}
+    if job.device != "cpu":
+        cache = KVCache(job.spec, cache.flat.to(job.device))
+        extra["device"] = job.device
     sender = create_sender(
-        job.backend, job.spec, model_id=job.model_id, release=released.append, options=job.options
+        job.backend,
+        job.spec,
+        model_id=job.model_id,
+        release=released.append,
+        options=job.options,
+        **extra,
     )
     result: dict[str, object] = {"pid": os.getpid()}
     try:
@@ -58,6 +68,9 @@ def run_job(job: SendJob) -> dict[str, object]:
                 result["connect_error"] = None
             except KVTransferError as exc:
                 result["connect_error"] = (type(exc).__name__, str(exc))
+        if job.abort_after_layer == -1:  # before any layer (after connect, if asked)
+            for ticket, _ in job.tickets:
+                sender.abort(ticket.request_id)
         result["t_first_send"] = time.perf_counter()
         for layer in range(job.spec.num_layers):
             if job.layer_delay_s:

@@ -1,0 +1,85 @@
+"""The interface's value types: layout descriptor, ticket, states, errors on the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from engine.kv_cache import KVCacheSpec
+from kvtransfer.base import (
+    ChecksumMismatchError,
+    KVLayout,
+    KVLayoutMismatchError,
+    StaleEpochError,
+    Ticket,
+    TransferState,
+    error_from_wire,
+    error_to_wire,
+    new_epoch,
+)
+
+SPEC = KVCacheSpec(
+    num_layers=30, num_blocks=100, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32"
+)
+
+
+def test_layout_comes_from_the_spec_without_num_blocks() -> None:
+    layout = KVLayout.from_spec(SPEC, "smollm-135m")
+    other = KVLayout.from_spec(dataclasses.replace(SPEC, num_blocks=7), "smollm-135m")
+    assert layout == other
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (30, 3, 64)
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+
+
+def test_mismatch_error_lists_every_differing_field() -> None:
+    ours = KVLayout.from_spec(SPEC, "a")
+    theirs = KVLayout.from_spec(dataclasses.replace(SPEC, dtype="bfloat16", block_size=32), "b")
+    with pytest.raises(KVLayoutMismatchError) as info:
+        ours.check_matches(theirs, "receiver", "sender")
+    assert set(info.value.differences) == {"model_id", "dtype", "block_size"}
+    message = str(info.value)
+    for text in ("model_id", "dtype", "'bfloat16'", "block_size", "receiver", "sender"):
+        assert text in message
+    ours.check_matches(KVLayout.from_spec(SPEC, "a"))  # equal: no error
+
+
+def test_ticket_is_small_frozen_and_picklable() -> None:
+    layout = KVLayout.from_spec(SPEC, "m")
+    ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4, 9, 2), layout, new_epoch(), 1e9)
+    assert pickle.loads(pickle.dumps(ticket)) == ticket
+    assert len(pickle.dumps(ticket)) < 1024
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ticket.epoch = 1  # type: ignore[misc]
+    assert ticket.num_blocks == 3 and ticket.seconds_left(now=1e9 - 5) == 5
+
+
+def test_states_terminal_and_wire_codes() -> None:
+    terminal = {s for s in TransferState if s.is_terminal}
+    assert terminal == {
+        TransferState.DONE,
+        TransferState.FAILED,
+        TransferState.ABORTED,
+        TransferState.EXPIRED,
+    }
+    for state in TransferState:
+        assert TransferState.from_code(state.code) is state
+
+
+def test_errors_survive_the_wire() -> None:
+    mismatch = KVLayoutMismatchError({"dtype": ("float32", "bfloat16")}, "receiver", "sender")
+    back = error_from_wire(error_to_wire(mismatch), "receiver")
+    assert isinstance(back, KVLayoutMismatchError)
+    assert back.differences == {"dtype": ("float32", "bfloat16")} and "receiver" in str(back)
+    stale = error_from_wire(error_to_wire(StaleEpochError("old ticket")), "receiver")
+    assert isinstance(stale, StaleEpochError) and "old ticket" in str(stale)
+    assert isinstance(
+        error_from_wire(error_to_wire(ChecksumMismatchError("x")), "r"), ChecksumMismatchError
+    )
+
+
+def test_epochs_differ_and_fit_64_bits() -> None:
+    epochs = {new_epoch() for _ in range(200)}
+    assert len(epochs) == 200
+    assert all(0 < e < 2**64 for e in epochs)

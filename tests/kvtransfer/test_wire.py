@@ -1,0 +1,95 @@
+"""Frames over a socket pair: headers, payloads, checksum flag, EOF handling."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvtransfer.base import PeerLostError
+from kvtransfer.wire import FrameSocket, Kind
+
+
+@pytest.fixture
+def pair() -> tuple[FrameSocket, FrameSocket]:
+    a, b = socket.socketpair()
+    return FrameSocket(a, 5.0), FrameSocket(b, 5.0)
+
+
+def test_header_payload_and_json_roundtrip(pair: tuple[FrameSocket, FrameSocket]) -> None:
+    left, right = pair
+    payload = np.arange(3 * 100_000, dtype=np.uint8).reshape(3, -1) % 251
+    sender = threading.Thread(
+        target=lambda: (
+            left.send(
+                Kind.LAYER,
+                "req-é",
+                epoch=2**63 + 5,
+                layer=7,
+                crc=0xDEADBEEF,
+                payload=[payload.data],
+            ),
+            left.send_json(Kind.WELCOME, "", {"epoch": 3}),
+        )
+    )
+    sender.start()  # the payload exceeds the socket buffer: send and receive concurrently
+    header = right.recv_header()
+    assert header is not None
+    assert (header.kind, header.request_id, header.epoch, header.layer) == (
+        Kind.LAYER,
+        "req-é",
+        2**63 + 5,
+        7,
+    )
+    assert header.has_crc and header.crc == 0xDEADBEEF and header.nbytes == payload.nbytes
+    got = np.empty(payload.nbytes, dtype=np.uint8)
+    right.recv_into(got.data)
+    assert np.array_equal(got, payload.reshape(-1))
+    welcome = right.recv_header()
+    assert welcome is not None and not welcome.has_crc
+    assert right.recv_json(welcome) == {"epoch": 3}
+    sender.join()
+
+
+def test_discard_skips_a_payload(pair: tuple[FrameSocket, FrameSocket]) -> None:
+    left, right = pair
+    left.send(Kind.LAYER, "a", payload=[b"x" * 1000])
+    left.send(Kind.FINISH, "b", layer=4)
+    first = right.recv_header()
+    assert first is not None
+    right.discard(first.nbytes)
+    second = right.recv_header()
+    assert second is not None and (second.kind, second.request_id, second.layer) == (
+        Kind.FINISH,
+        "b",
+        4,
+    )
+
+
+def test_clean_eof_between_frames_and_mid_frame(pair: tuple[FrameSocket, FrameSocket]) -> None:
+    left, right = pair
+    left.close()
+    assert right.recv_header() is None
+    a, b = socket.socketpair()
+    a.sendall(b"\x00" * 10)  # a truncated header
+    a.close()
+    with pytest.raises(PeerLostError):
+        FrameSocket(b, 5.0).recv_header()
+
+
+def test_garbage_is_rejected() -> None:
+    a, b = socket.socketpair()
+    a.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 32)
+    with pytest.raises(PeerLostError, match="magic"):
+        FrameSocket(b, 5.0).recv_header()
+    a.close()
+
+
+def test_send_after_close_raises_peer_lost(pair: tuple[FrameSocket, FrameSocket]) -> None:
+    left, right = pair
+    right.close()
+    with pytest.raises(PeerLostError):
+        for _ in range(100):  # the first sends may still fit in the buffer
+            left.send(Kind.LAYER, "x", payload=[b"y" * 65536])
