@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="write a built-in random-weight model (HF format)")
     model.add_argument("size", choices=["tiny", "small"])
     model.add_argument("dir")
-    model.add_argument("--architecture", default="llama",
-                       choices=["llama", "llama3", "qwen2", "mistral"])
+    model.add_argument(
+        "--architecture", default="llama", choices=["llama", "llama3", "qwen2", "mistral"]
+    )
 
     gen = sub.add_parser("generate", help="generate offline with the engine")
     gen.add_argument("--model", default="tiny", help="model directory or built-in name")
@@ -92,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":

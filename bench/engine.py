@@ -28,8 +28,9 @@ def make_prompts(batch: int, input_len: int, vocab: int, seed: int = 0) -> list[
     return torch.randint(0, high, (batch, input_len), generator=gen).tolist()
 
 
-def bench_pdserve(model_dir: str, dtype: str, prompts: list[list[int]], output_len: int,
-                  kv_cache_mb: int) -> dict[str, float]:
+def bench_pdserve(
+    model_dir: str, dtype: str, prompts: list[list[int]], output_len: int, kv_cache_mb: int
+) -> dict[str, float]:
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.engine import Engine
     from engine.request import SamplingParams
@@ -39,11 +40,14 @@ def bench_pdserve(model_dir: str, dtype: str, prompts: list[list[int]], output_l
         EngineConfig(
             model_dir=model_dir,
             dtype=dtype,
-            cache=CacheConfig(kv_cache_bytes=kv_cache_mb * 1024 * 1024,
-                              enable_prefix_caching=False),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max(2048, num_tokens),
-                                      max_num_seqs=len(prompts),
-                                      long_prefill_token_threshold=max(len(p) for p in prompts)),
+            cache=CacheConfig(
+                kv_cache_bytes=kv_cache_mb * 1024 * 1024, enable_prefix_caching=False
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max(2048, num_tokens),
+                max_num_seqs=len(prompts),
+                long_prefill_token_threshold=max(len(p) for p in prompts),
+            ),
         )
     )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -75,8 +79,9 @@ def bench_pdserve(model_dir: str, dtype: str, prompts: list[list[int]], output_l
     }
 
 
-def bench_transformers(model_dir: str, dtype: str, prompts: list[list[int]],
-                       output_len: int) -> dict[str, float]:
+def bench_transformers(
+    model_dir: str, dtype: str, prompts: list[list[int]], output_len: int
+) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from engine.kv_cache import TORCH_DTYPES
@@ -90,8 +95,14 @@ def bench_transformers(model_dir: str, dtype: str, prompts: list[list[int]],
     def run(max_new: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
-                                 min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         assert out.shape[1] == ids.shape[1] + max_new
         return time.perf_counter() - start
 

@@ -15,8 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from engine.engine import Engine
-from engine.model import LayerHook
+from engine.engine import Engine, LayerHookFactory
 from engine.outputs import RequestOutput
 from engine.request import Request
 
@@ -34,7 +33,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
-        self.layer_hook: LayerHook | None = None
+        self.layer_hook_for: LayerHookFactory | None = None
         self.between_steps: list[Callable[[], None]] = []  # e.g. polling KV transfers
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -86,7 +85,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished and not self._stopped:
-                self.call(lambda: self.engine.abort_request(request_id))
+                self.abort(request_id)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Add a request built by `engine.make_request` and stream its deltas."""
@@ -94,6 +93,16 @@ class AsyncEngine:
         await self.call_async(lambda: self.engine.add_request(request))
         async for delta in self.stream(request.request_id, stream):
             yield delta
+
+    def abort(self, request_id: str) -> concurrent.futures.Future[None]:
+        """Abort a request in any state (frees its blocks); its stream gets a final delta."""
+
+        def run() -> None:
+            delta = self.engine.abort_request(request_id)
+            if delta is not None:
+                self.publish(delta)
+
+        return self.call(run)
 
     def publish(self, delta: RequestOutput) -> None:
         """Engine thread: hand a delta to its stream (dropped if the caller is gone)."""
@@ -123,7 +132,7 @@ class AsyncEngine:
                     self._wakeup.wait(self.idle_wait_s)
                     self._wakeup.clear()
                     continue
-                for delta in self.engine.step(self.layer_hook):
+                for delta in self.engine.step(self.layer_hook_for):
                     self.publish(delta)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("engine loop died")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -25,9 +25,10 @@ from engine.model import CausalLM, LayerHook, RotaryEmbedding
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | list[int]
+LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
 
 
 def load_model(model_config: ModelConfig, model_dir: str, device: torch.device) -> CausalLM:
@@ -54,7 +55,9 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model = load_model(self.model_config, self.model_dir, self.device)
         self.kv_spec = KVCacheSpec.for_model(
-            self.model_config, config.cache.block_size, config.cache.kv_cache_bytes,
+            self.model_config,
+            config.cache.block_size,
+            config.cache.kv_cache_bytes,
             self.model_config.dtype,
         )
         if kv_cache is not None and kv_cache.spec != self.kv_spec:
@@ -134,6 +137,28 @@ class Engine:
             self.tokenizer, request.prompt_token_ids, request.sampling_params
         )
 
+    def reserve_for_kv(self, request: Request) -> list[int] | None:
+        """Decode pool: hold blocks for a prompt prefilled elsewhere (None: no room now)."""
+        block_ids = self.scheduler.reserve_for_kv(request)
+        if block_ids is not None:
+            self._track(request)
+        return block_ids
+
+    def kv_received(
+        self, request_id: str, first_token_id: int, logprobs: dict[int, float] | None
+    ) -> RequestOutput:
+        """Decode pool: the KV landed; start decoding and return the first token's delta."""
+        request = self.scheduler.kv_received(request_id, first_token_id, logprobs)
+        status = self.scheduler.check_stop(request, first_token_id)
+        if status is not None:
+            self.scheduler.finish_request(request_id, status)
+        return self._emit(request, first_token_id, logprobs, request.is_finished)
+
+    def kv_failed(self, request_id: str) -> None:
+        """Decode pool: the KV will not come; free the reserved blocks (no-op if gone)."""
+        if self.scheduler.kv_failed(request_id, fall_back_to_local=False):
+            self._forget(request_id)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state and free its blocks; returns its final delta."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
@@ -148,9 +173,14 @@ class Engine:
 
     # ---- the step --------------------------------------------------------------------
 
-    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
-        """Run one scheduler step; return a delta for every request that produced news."""
+    def step(self, layer_hook_for: LayerHookFactory | None = None) -> list[RequestOutput]:
+        """Run one scheduler step; return a delta for every request that produced news.
+
+        `layer_hook_for(output)` may return a hook called after each layer's K/V of this
+        step are in the cache (the prefill pool streams KV out from there).
+        """
         output = self.scheduler.schedule()
+        layer_hook = layer_hook_for(output) if layer_hook_for and not output.is_empty else None
         sampled = self.runner.execute(output, layer_hook)
         before = {rid: self.scheduler.requests.get(rid) for rid in sampled}
         finished = {r.request_id for r in self.scheduler.update_from_output(output, sampled)}
@@ -183,7 +213,10 @@ class Engine:
         return self._delta(request, [token_id], text, [logprobs] if logprobs else [])
 
     def _delta(
-        self, request: Request, token_ids: list[int], text: str,
+        self,
+        request: Request,
+        token_ids: list[int],
+        text: str,
         logprobs: list[dict[int, float]],
     ) -> RequestOutput:
         return RequestOutput(

@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` (float32), with Llama-3 or linear scaling."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -211,8 +213,10 @@ class CausalLM(nn.Module):
         def put(name: str, value: torch.Tensor) -> None:
             param = params[name]
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != "
-                                 f"model shape {tuple(param.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(value.shape)} != "
+                    f"model shape {tuple(param.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(value)
             loaded.add(name)
@@ -242,8 +246,10 @@ class CausalLM(nn.Module):
                 put(dst + "mlp.gate_up_proj.bias", torch.cat(bias))
                 put(dst + "mlp.down_proj.bias", take(mlp + "down_proj.bias"))
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight",
-                take(src + "post_attention_layernorm.weight"))
+            put(
+                dst + "post_attention_layernorm.weight",
+                take(src + "post_attention_layernorm.weight"),
+            )
         # Rotary inv_freq buffers some checkpoints carry are recomputed, not loaded.
         extra = [k for k in remaining if not k.endswith("rotary_emb.inv_freq")]
         if extra:

@@ -42,5 +42,4 @@ class CompletionOutput:
             self.num_cached_tokens = delta.num_cached_tokens
 
     def to_dict(self) -> dict[str, object]:
-        return {"token_ids": self.token_ids, "text": self.text,
-                "finish_reason": self.finish_reason}
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason}

@@ -113,9 +113,12 @@ class Scheduler:
         self.running.append(request)
         return request
 
-    def kv_failed(self, request_id: str, fall_back_to_local: bool) -> None:
-        """Decode pool: the transfer ended without KV. Free the blocks; prefill locally or abort."""
-        request = self.waiting_for_kv.pop(request_id)
+    def kv_failed(self, request_id: str, fall_back_to_local: bool) -> bool:
+        """Decode pool: the transfer ended without KV. Free the blocks; prefill locally or
+        abort. Returns False (and does nothing) if the request no longer waits for KV."""
+        request = self.waiting_for_kv.pop(request_id, None)
+        if request is None:
+            return False
         self.kv.free(request)
         if fall_back_to_local:
             request.num_computed_tokens = 0
@@ -124,6 +127,7 @@ class Scheduler:
         else:
             request.status = RequestStatus.FINISHED_ABORTED
             del self.requests[request_id]
+        return True
 
     # ---- the step --------------------------------------------------------------------
 
@@ -210,13 +214,14 @@ class Scheduler:
                 continue
             token_id, logprobs = sampled[request.request_id]
             request.append_output_token(token_id, logprobs)
-            status = self._check_stop(request, token_id)
+            status = self.check_stop(request, token_id)
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
         return finished
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """The finished status `token_id` (just appended) puts the request in, if any."""
         if request.prefill_only:
             return RequestStatus.FINISHED_PREFILLED
         params = request.sampling_params

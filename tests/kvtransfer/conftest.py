@@ -1,10 +1,17 @@
-"""Shared fixtures of the kvtransfer tests; makes the repo importable under plain `pytest`."""
+"""Shared setup of the kvtransfer tests.
+
+The multi-process tests run `kvt_peers` functions in spawned children, which import them
+by module name: this directory goes on sys.path (children inherit the parent's sys.path),
+whatever pytest's import mode, and so does the repo root for a plain `pytest` run.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+for _path in (_ROOT, _HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)

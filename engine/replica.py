@@ -1,0 +1,94 @@
+"""What both pools' servers share: an engine on its own thread, plus stats for routing.
+
+Prefill and decode servers are plain classes (Ray Serve wraps them in `app/`), so they are
+constructible and testable without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import Counter
+from typing import Any
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.loader import load_model_config
+
+
+def kv_spec_for(config: EngineConfig, model_dir: str) -> KVCacheSpec:
+    """The KV cache geometry an engine built from `config` will use."""
+    model_config = load_model_config(model_dir, config.dtype)
+    return KVCacheSpec.for_model(
+        model_config, config.cache.block_size, config.cache.kv_cache_bytes, model_config.dtype
+    )
+
+
+def model_id_for(model_config: ModelConfig, model_dir: str) -> str:
+    """What both ends of a KV transfer must agree on: the model and its shape."""
+    mc = model_config
+    name = os.path.basename(model_dir.rstrip("/"))
+    return f"{name}/{mc.architecture}/{mc.num_hidden_layers}x{mc.hidden_size}/{mc.vocab_size}"
+
+
+def replica_name(role: str) -> str:
+    return f"{role}@{socket.gethostname()}:{os.getpid()}"
+
+
+class EngineReplica:
+    """An engine plus its loop thread; counts what it served."""
+
+    def __init__(self, role: str, config: EngineConfig, kv_cache: KVCache | None = None):
+        self.role = role
+        self.name = replica_name(role)
+        self.engine = Engine(config, kv_cache=kv_cache)
+        self.loop = AsyncEngine(self.engine)
+        self.counters: Counter[str] = Counter()
+        self.started_at = time.time()
+
+    @property
+    def model_id(self) -> str:
+        return model_id_for(self.engine.model_config, self.engine.model_dir)
+
+    def kv_stats(self) -> dict[str, Any]:
+        """Block pool occupancy; read on the engine thread so the numbers are consistent."""
+
+        def read() -> dict[str, Any]:
+            scheduler = self.engine.scheduler
+            return {
+                "num_blocks": self.engine.kv_spec.num_blocks,
+                "num_free_blocks": self.engine.kv_manager.num_free_blocks,
+                "num_running": len(scheduler.running),
+                "num_waiting": len(scheduler.waiting),
+                "num_waiting_for_kv": len(scheduler.waiting_for_kv),
+                "num_held": len(scheduler.held),
+                "num_preemptions": scheduler.num_preemptions,
+                "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
+                + sum(r.num_uncomputed_tokens for r in scheduler.running),
+            }
+
+        return self.loop.call(read).result(timeout=30)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "replica": self.name,
+            "role": self.role,
+            **self.kv_stats(),
+            "counters": dict(self.counters),
+        }
+
+    def routing_stats(self) -> dict[str, Any]:
+        """What the replica-choosing router reads (`record_routing_stats` in Serve)."""
+        kv = self.kv_stats()
+        return {
+            "queued_tokens": kv["queued_tokens"],
+            "num_free_blocks": kv["num_free_blocks"],
+            "num_blocks": kv["num_blocks"],
+            "num_running": kv["num_running"],
+        }
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
