@@ -30,6 +30,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+# Below this many bytes per transfer the written blocks likely still fit in the last-level
+# cache, where the decode side reads them faster than from DRAM: keep ordinary stores
+# there. (glibc picks streaming stores for memcpy from 16-32 MiB on the machines we use.)
+STREAMING_MIN_BYTES = 32 * 1024 * 1024
+
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -140,6 +145,11 @@ def available() -> bool:
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("streaming-copy helper unavailable: %s", exc)
         return False
+
+
+def worth_streaming(transfer_bytes: int) -> bool:
+    """Whether a transfer of `transfer_bytes` (all layers) should use streaming stores."""
+    return transfer_bytes >= STREAMING_MIN_BYTES and available()
 
 
 def copy_rows(

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer import ntcopy
 from kvtransfer.base import (
     BackendUnavailableError,
     ChecksumMismatchError,
@@ -212,12 +213,16 @@ class ShmSender(StreamSender):
                 raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
             plan = record.cache["plan"] = CopyPlan.build(item.src_ids, dst_ids, src_k.shape[1])
             record.cache["src_ids"] = item.src_ids
+            record.cache["streaming"] = ntcopy.worth_streaming(
+                len(dst_ids) * self.spec.bytes_per_block
+            )
+        streaming = bool(record.cache["streaming"])
         layer = item.layer
         with record.write_lock:
             if record.state.is_terminal:
                 return
-            plan.copy(src_k, rows[layer, 0], streaming=True)
-            plan.copy(src_v, rows[layer, 1], streaming=True)
+            plan.copy(src_k, rows[layer, 0], streaming=streaming)
+            plan.copy(src_v, rows[layer, 1], streaming=streaming)
             crc = None
             if self.checksum:
                 src_ids = record.cache["src_ids"]

@@ -18,6 +18,7 @@ import zlib
 import numpy as np
 
 from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer import ntcopy
 from kvtransfer.base import ChecksumMismatchError, KVTransferError, ReleaseFn, TransferOptions
 from kvtransfer.blockcopy import CopyPlan, block_rows
 from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
@@ -112,12 +113,13 @@ class TcpReceiver(StreamReceiver):
             plan = record.cache["plan"] = CopyPlan.build(
                 np.arange(n, dtype=np.int64), np.asarray(record.block_ids), row_bytes
             )
+        streaming = ntcopy.worth_streaming(self.spec.num_layers * expected)
         halves = payload.reshape(2, n, row_bytes)
         with record.write_lock:
             if record.state.is_terminal:
                 return
-            plan.copy(halves[0], self._rows[header.layer, 0], streaming=True)
-            plan.copy(halves[1], self._rows[header.layer, 1], streaming=True)
+            plan.copy(halves[0], self._rows[header.layer, 0], streaming=streaming)
+            plan.copy(halves[1], self._rows[header.layer, 1], streaming=streaming)
 
 
 class TcpSender(StreamSender):

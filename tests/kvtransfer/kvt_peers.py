@@ -123,3 +123,14 @@ def send_then_hang(job: SendJob, conn: Connection) -> None:
             sender.send_layer(ticket, layer, k, v, list(src_ids))
     conn.send("hanging")
     time.sleep(600)
+
+
+def receive_then_wait(
+    backend: str, spec: KVCacheSpec, block_ids: tuple[int, ...], conn: Connection
+) -> None:
+    """Decode side in a child: open one ticket, hand it over, then idle until killed."""
+    from kvtransfer import create_receiver
+
+    receiver = create_receiver(backend, spec, model_id="test-model", release=lambda rid: None)
+    conn.send(receiver.open_ticket("victim", block_ids, 60.0))
+    time.sleep(600)

@@ -16,10 +16,16 @@ from multiprocessing.process import BaseProcess
 import numpy as np
 import pytest
 import torch
-from kvt_peers import SendJob, send_then_hang, serve, source_cache
+from kvt_peers import SendJob, receive_then_wait, send_then_hang, serve, source_cache
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer import KVReceiver, TransferOptions, TransferState, create_receiver
+from kvtransfer import (
+    KVReceiver,
+    TransferOptions,
+    TransferState,
+    create_receiver,
+    create_sender,
+)
 from kvtransfer.base import KVLayout
 from kvtransfer.shm import list_segments
 
@@ -324,6 +330,37 @@ def test_killed_sender_fails_the_transfer_and_frees_blocks(backend: str) -> None
         finally:
             _reap(process, parent)
     assert released.ids == ["k"]
+
+
+def test_killed_receiver_fails_the_transfer_and_frees_source_blocks(backend: str) -> None:
+    s = spec(4)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=receive_then_wait, args=(backend, s, (3, 1), child), daemon=True)
+    process.start()
+    released = Released()
+    sender = create_sender(backend, s, model_id="test-model", release=released, options=FAST)
+    segments_before = set(list_segments())
+    try:
+        assert parent.poll(30.0)
+        ticket = parent.recv()
+        source = source_cache(s, 0)
+        sender.send_layer(ticket, 0, source.key_caches[0], source.value_caches[0], [0, 1])
+        assert _eventually(lambda: sender.poll("victim") is TransferState.TRANSFERRING, 10.0)
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        assert sender.wait("victim", 10.0) is TransferState.FAILED
+        assert type(sender.error("victim")).__name__ == "PeerLostError"
+        assert released.wait_for("victim")
+    finally:
+        _reap(process, parent)
+        sender.close()
+        if backend == "shm":  # the dead owner could not unlink its segment: do it for it
+            from multiprocessing.shared_memory import SharedMemory
+
+            for name in set(list_segments()) - segments_before:
+                SharedMemory(name=name).unlink()
+    assert released.ids == ["victim"]
 
 
 def test_first_layer_arrives_while_later_layers_compute(peer: Peer, backend: str) -> None:
