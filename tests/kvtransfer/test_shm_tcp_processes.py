@@ -336,11 +336,11 @@ def test_killed_receiver_fails_the_transfer_and_frees_source_blocks(backend: str
     s = spec(4)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    segments_before = set(list_segments())
     process = ctx.Process(target=receive_then_wait, args=(backend, s, (3, 1), child), daemon=True)
     process.start()
     released = Released()
     sender = create_sender(backend, s, model_id="test-model", release=released, options=FAST)
-    segments_before = set(list_segments())
     try:
         assert parent.poll(30.0)
         ticket = parent.recv()

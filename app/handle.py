@@ -1,0 +1,107 @@
+"""The Python handle API: typed requests and streamed chunks for other Ray applications.
+
+    from app.handle import GenerateRequest, generate
+    async for chunk in generate(GenerateRequest(prompt="hello", max_tokens=16)):
+        print(chunk.text, end="")
+
+Calls go to the pdserve ingress deployment through `serve.get_app_handle(...)`, so they
+share its authentication, limits, router and quotas with the HTTP API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.outputs import RequestOutput
+from engine.request import SamplingParams
+
+
+class GenerateRequest(BaseModel):
+    """One completion request. Give `prompt` (text) or `prompt_token_ids`, not both."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str | None = Field(None, description="Prompt text (tokenized by the service).")
+    prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt.")
+    model: str | None = Field(None, description="Served model name; None = the one served.")
+    api_key: str | None = Field(None, description="Tenant API key (when tenants are set).")
+    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="0 disables.")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p filtering.")
+    seed: int | None = Field(None, description="Reproducible sampling.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    ignore_eos: bool = Field(False, description="Keep generating past EOS.")
+    logprobs: int | None = Field(None, ge=0, le=20, description="Top-N logprobs per token.")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+        )
+
+
+class GenerateChunk(BaseModel):
+    """New tokens and text of one step; the last chunk has `finished=True`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] = Field(default_factory=list)
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    route: str = Field("", description="The router's decision, human-readable.")
+
+    @classmethod
+    def from_delta(cls, delta: RequestOutput, route: str) -> GenerateChunk:
+        return cls(
+            request_id=delta.request_id,
+            token_ids=delta.new_token_ids,
+            text=delta.new_text,
+            logprobs=delta.new_logprobs,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            num_prompt_tokens=delta.num_prompt_tokens,
+            num_output_tokens=delta.num_output_tokens,
+            num_cached_tokens=delta.num_cached_tokens,
+            route=route,
+        )
+
+
+async def generate(
+    request: GenerateRequest, app_name: str = "pdserve"
+) -> AsyncIterator[GenerateChunk]:
+    """Stream a completion from a running pdserve application in this Ray cluster."""
+    from ray import serve
+
+    handle: Any = serve.get_app_handle(app_name).options(stream=True)
+    async for chunk in handle.generate.remote(request):
+        yield chunk

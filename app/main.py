@@ -1,0 +1,81 @@
+"""The Ray Serve application: `serve run app.main:app` or `serve run configs/<name>.yaml`.
+
+`build_app(args)` turns a `PDServeConfig` (the Serve config file's application args) into
+the deployment graph: one deployment per prefill pool, one per decode pool (each decode
+replica holds handles to every prefill pool), and the HTTP ingress in front.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from app.config import PDServeConfig, PoolConfig, load_config
+from app.ingress import Ingress
+from decode.server import DecodeServer
+from kvtransfer import TransferOptions
+from prefill.server import PrefillServer
+
+# `serve run app.main:app`: the built-in tiny model, 1 prefill + 1 decode replica, no auth.
+DEFAULT_ARGS: dict[str, Any] = {
+    "model": {"model": "tiny", "num_threads": 1},
+    "pools": [
+        {"name": "prefill", "role": "prefill", "num_cpus": 0.5},
+        {"name": "decode", "role": "decode", "num_cpus": 0.5},
+    ],
+    "transfer": {"backend": "shm"},
+    "local_prefill_threshold": 0,
+}
+
+ROUTER_CONFIG = RequestRouterConfig(
+    request_router_class="app.replica_router:KVAwareRouter",
+    request_routing_stats_period_s=1.0,
+    request_routing_stats_timeout_s=5.0,
+)
+
+
+def _options(pool: PoolConfig) -> dict[str, Any]:
+    return {
+        **pool.serve_options(),
+        "request_router_config": ROUTER_CONFIG,
+        "health_check_period_s": 5,
+    }
+
+
+def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Application:
+    """The whole pdserve application for `args` (a PDServeConfig or its dict)."""
+    config = args if isinstance(args, PDServeConfig) else load_config(dict(args or DEFAULT_ARGS))
+    engine_config = config.model.to_engine_config()
+    options = TransferOptions(checksum=config.transfer.checksum)
+    backend = config.transfer.backend
+    prefill = {
+        pool.name: serve.deployment(PrefillServer)
+        .options(**_options(pool))
+        .bind(engine_config, backend, options, pool=pool.name)
+        for pool in config.pools_by_role("prefill")
+    }
+    decode = {
+        pool.name: serve.deployment(DecodeServer)
+        .options(**_options(pool))
+        .bind(
+            engine_config,
+            backend,
+            options,
+            deadline_s=config.transfer.deadline_s,
+            prefill_pools=prefill,
+            pool=pool.name,
+        )
+        for pool in config.pools_by_role("decode")
+    }
+    ingress = serve.deployment(Ingress).options(
+        name="ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0.1},
+        max_ongoing_requests=1000,
+    )
+    return ingress.bind(config.model_dump(mode="json"), decode, prefill)
+
+
+app = build_app()
