@@ -14,6 +14,7 @@ from collections.abc import Sequence
 BENCHMARKS = {
     "engine": "bench.engine",
     "transfer": "bench.transfer",
+    "itl": "bench.itl",
 }
 
 

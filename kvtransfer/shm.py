@@ -14,7 +14,9 @@ gone), or `fence_timeout_s` passes.
 
 Segment ownership: the receiver creates the segment with `SharedMemory(create=True)` so
 its resource tracker unlinks it if the process dies, maps it through torch (the mapping
-lives as long as any tensor over it) and unlinks it on close(). The sender never uses
+lives as long as any tensor over it) and unlinks it on close(). If the tracker died too
+(a killed process group), the next receiver on the host sweeps segments named after a
+dead pid (`pdkv-<pid>-<random>`) that nobody serves. The sender never uses
 `SharedMemory` (whose resource tracker would unlink a segment it does not own at exit);
 it maps `/dev/shm/<name>` with `torch.from_file` and pre-faults the mapping once.
 """
@@ -68,6 +70,55 @@ def _segment_of(endpoint: str) -> str:
     return endpoint.removeprefix("shm://")
 
 
+def _is_served(segment: str) -> bool:
+    """Whether a live receiver listens on the segment's control socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(_control_address(segment))
+            return True
+        except OSError:
+            return False
+
+
+def _create_segment(segment: str, nbytes: int) -> SharedMemory:
+    """Create `segment`; a leftover of the same name that nobody serves is replaced."""
+    try:
+        return SharedMemory(name=segment, create=True, size=nbytes)
+    except FileExistsError:
+        if _is_served(segment):
+            raise ValueError(f"shm segment {segment} is in use by a live receiver") from None
+        os.unlink(os.path.join(SHM_DIR, segment))
+        return SharedMemory(name=segment, create=True, size=nbytes)
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink default-named segments whose owner process is gone (killed receivers).
+
+    Default names are `pdkv-<owner pid>-<random>`; a segment is removed only when that pid
+    no longer exists and nobody serves its control socket. Returns the names removed.
+    """
+    removed = []
+    for segment in list_segments():
+        pid_text = segment.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)) or _is_served(segment):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, segment))
+            removed.append(segment)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     """Map an existing segment as a flat uint8 tensor; the mapping dies with the tensor."""
     return torch.from_file(
@@ -92,8 +143,9 @@ class ShmReceiver(StreamReceiver):
         epoch: int | None = None,
     ) -> None:
         _require_shm()
+        sweep_orphans()
         self._segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
-        owner = SharedMemory(name=self._segment, create=True, size=max(spec.total_bytes, 1))
+        owner = _create_segment(self._segment, max(spec.total_bytes, 1))
         owner.close()  # keep the name (and the tracker registration); torch maps it below
         self._owner: SharedMemory | None = owner
         try:

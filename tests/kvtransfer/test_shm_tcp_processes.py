@@ -399,3 +399,34 @@ def _reap(process: BaseProcess, conn: Connection) -> None:
         process.kill()
     process.join(timeout=10)
     conn.close()
+
+
+def test_orphaned_segments_of_dead_owners_are_swept() -> None:
+    ctx = mp.get_context("spawn")
+    gone = ctx.Process(target=time.sleep, args=(0,))
+    gone.start()
+    gone.join(timeout=30)
+    assert gone.pid is not None
+    orphan = f"pdkv-{gone.pid}-deadbeef"
+    with open(f"/dev/shm/{orphan}", "wb") as f:
+        f.write(b"\0" * 4096)
+    live = f"pdkv-{os.getpid()}-cafe0000"  # its owner (this process) is alive: kept
+    with open(f"/dev/shm/{live}", "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
+        receiver = make_receiver("shm", spec(2), Released())
+        receiver.close()
+        assert orphan not in list_segments()
+        assert live in list_segments()
+    finally:
+        for name in (orphan, live):
+            if name in list_segments():
+                os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_named_segment_in_use_is_not_taken_over() -> None:
+    name = f"inuse-{os.getpid()}"
+    with make_receiver("shm", spec(2), Released(), name=name) as first:
+        with pytest.raises(ValueError, match="in use"):
+            make_receiver("shm", spec(2), Released(), name=name)
+        assert first.endpoint.endswith(name)
