@@ -58,6 +58,7 @@ class TableReceiver(KVReceiver):
             release_on_done=False,
             fence_timeout_s=options.fence_timeout_s,
             tombstone_ttl_s=options.tombstone_ttl_s,
+            barrier=self._release_barrier,
         )
         self._closed = False
         self._close_lock = threading.Lock()
@@ -109,7 +110,13 @@ class TableReceiver(KVReceiver):
             self._terminate(
                 request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
             )
-        self._table.sweep()
+        self._table.sweep(self._on_fence_timeout)
+
+    def _release_barrier(self, record: TransferRecord) -> None:
+        """Runs right before `release` (nccl: wait for the stream writing the blocks)."""
+
+    def _on_fence_timeout(self, record: TransferRecord) -> None:
+        """A writer never confirmed it stopped: cut it off before the blocks are released."""
 
     def _shutdown(self) -> None:
         """Backend teardown after open transfers were aborted (sockets, threads, memory)."""

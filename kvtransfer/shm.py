@@ -130,7 +130,6 @@ class ShmReceiver(StreamReceiver):
     """Owns the shared-memory KV cache; see the module docstring."""
 
     backend = "shm"
-    remote_writes = True
 
     def __init__(
         self,

@@ -9,9 +9,11 @@ Threads: one accepts connections; one per connection reads frames in order:
     ABORT(rid) from the sender ──▶ ABORTED/EXPIRED/FAILED, blocks released at once
     ABORT_ACK(rid) ──▶ fence lifted, blocks released
 
-Ending a transfer here (abort, expiry, bad checksum) sends ABORT to its sender. When the
-sender writes our memory itself (`remote_writes`: shm), the blocks stay fenced until it
-acknowledges, dies (connection EOF) or `fence_timeout_s` passes.
+Ending a transfer here (abort, expiry, bad checksum) sends ABORT to its sender, and the
+blocks of a transfer bound to a connection stay *fenced* until the sender's ABORT_ACK is
+read: the sender stopped writing (shm), and, frames being read in order, any layer this
+thread was landing (tcp, nccl) is complete. A dead connection lifts the fence too; after
+`fence_timeout_s` the connection is cut first, then the blocks are released.
 """
 
 from __future__ import annotations
@@ -53,20 +55,11 @@ class SenderConnection:
         self.name = name
         self.alive = True
         self.thread: threading.Thread | None = None
-        self._staging = np.empty(0, dtype=np.uint8)
         self.state: dict[str, object] = {}  # backend per-connection state (communicator)
-
-    def staging(self, nbytes: int) -> np.ndarray:
-        """A reusable receive buffer of at least `nbytes` (grown, never shrunk)."""
-        if self._staging.nbytes < nbytes:
-            self._staging = np.empty(nbytes, dtype=np.uint8)
-        return self._staging[:nbytes]
 
 
 class StreamReceiver(TableReceiver):
     """Control channel and frame dispatch; subclasses implement `_receive_layer`."""
-
-    remote_writes = False  # True when the sender writes our blocks directly (shm)
 
     def __init__(
         self,
@@ -295,7 +288,7 @@ class StreamReceiver(TableReceiver):
     # -- ending transfers from this side ---------------------------------------------------
 
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
-        if not self._table.finish(request_id, state, error, fence_if_bound=self.remote_writes):
+        if not self._table.finish(request_id, state, error, fence_if_bound=True):
             return
         record = self._table.get(request_id)
         conn = record.peer if record is not None else None
@@ -305,6 +298,10 @@ class StreamReceiver(TableReceiver):
             conn.fs.send_json(Kind.ABORT, request_id, error_to_wire(error), layer=state.code)
         if not conn.alive or conn.fs.closed:
             self._table.unfence(request_id, conn)
+
+    def _on_fence_timeout(self, record: TransferRecord) -> None:
+        if isinstance(record.peer, SenderConnection):
+            record.peer.fs.close()  # its reader thread stops writing; _drop cleans up
 
     def _shutdown(self) -> None:
         with contextlib.suppress(OSError):

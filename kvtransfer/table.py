@@ -66,8 +66,10 @@ class TransferTable:
         release_on_done: bool,
         fence_timeout_s: float = 5.0,
         tombstone_ttl_s: float = 120.0,
+        barrier: Callable[[TransferRecord], None] | None = None,
     ) -> None:
         self._release = release
+        self._barrier = barrier  # e.g. wait for a GPU stream still writing the blocks
         self._release_on_done = release_on_done
         self._fence_timeout_s = fence_timeout_s
         self._tombstone_ttl_s = tombstone_ttl_s
@@ -189,6 +191,8 @@ class TransferTable:
         with record.write_lock:  # a local writer finishes its layer before the blocks go
             pass
         try:
+            if self._barrier is not None:
+                self._barrier(record)
             self._release(record.request_id)
         except Exception:
             logger.exception("release(%r) raised", record.request_id)
@@ -230,8 +234,12 @@ class TransferTable:
                 if not r.state.is_terminal and r.deadline <= now
             ]
 
-    def sweep(self) -> None:
-        """Lift fences that timed out, and forget settled tombstones past their TTL."""
+    def sweep(self, on_fence_timeout: Callable[[TransferRecord], None] | None = None) -> None:
+        """Lift fences that timed out, and forget settled tombstones past their TTL.
+
+        `on_fence_timeout(record)` runs before such a record's blocks are released (the
+        receiver cuts the writer's connection there).
+        """
         now = time.monotonic()
         with self._lock:
             stuck = [r for r in self._records.values() if r.fenced and r.fence_deadline <= now]
@@ -252,6 +260,11 @@ class TransferTable:
                 r.request_id,
                 self._fence_timeout_s,
             )
+            if on_fence_timeout is not None:
+                try:
+                    on_fence_timeout(r)
+                except Exception:
+                    logger.exception("fence timeout handler failed for %r", r.request_id)
             self._settle(r)
 
 

@@ -3,24 +3,24 @@
 Frame payload of a LAYER: `[2 (K, V), num_blocks, bytes_per_block]`, K rows in the ticket's
 block order then V rows, with an optional CRC32 of exactly those bytes. Layers stream back
 to back without acknowledgement (many in flight; the kernel's socket buffers and the
-receiver's thread pace them). The sender sends source rows in place when they form a few
-contiguous runs and otherwise gathers them into one reusable buffer; the receiver reads
-each payload with `recv_into` into a reusable buffer and scatters it into the destination
-blocks with one `CopyPlan` per transfer, holding the record's write_lock so an abort
-releases the blocks only after the layer being written landed.
+receiver's thread pace them). Neither end copies in user space: the sender gathers the
+source rows with `sendmsg` (one buffer per run of consecutive blocks), the receiver
+scatters the payload with `recvmsg_into` straight into the destination blocks. It does so
+holding the record's write_lock, and an ended transfer's blocks stay fenced until the
+sender's ABORT_ACK is read after any frame in flight (see `stream_receiver`).
 """
 
 from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import ntcopy
 from kvtransfer.base import ChecksumMismatchError, KVTransferError, ReleaseFn, TransferOptions
-from kvtransfer.blockcopy import CopyPlan, block_rows
+from kvtransfer.blockcopy import block_rows, contiguous_runs
 from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
 from kvtransfer.stream_sender import LayerItem, ReceiverConnection, StreamSender
 from kvtransfer.table import TransferRecord
@@ -99,27 +99,23 @@ class TcpReceiver(StreamReceiver):
         if header.nbytes != expected:
             conn.fs.discard(header.nbytes)
             raise KVTransferError(f"layer payload of {header.nbytes} bytes, expected {expected}")
-        payload = conn.staging(expected)
-        conn.fs.recv_into(payload.data)
-        if header.has_crc:
-            crc = zlib.crc32(payload.data)
-            if crc != header.crc:
-                raise ChecksumMismatchError(
-                    f"layer {header.layer} of {record.request_id!r}: payload crc32 {crc:#010x}, "
-                    f"sender computed {header.crc:#010x}"
-                )
-        plan = record.cache.get("plan")
-        if not isinstance(plan, CopyPlan):
-            plan = record.cache["plan"] = CopyPlan.build(
-                np.arange(n, dtype=np.int64), np.asarray(record.block_ids), row_bytes
-            )
-        streaming = ntcopy.worth_streaming(self.spec.num_layers * expected)
-        halves = payload.reshape(2, n, row_bytes)
+        runs = record.cache.get("runs")
+        if not isinstance(runs, list):
+            runs = record.cache["runs"] = _id_runs(record.block_ids)
+        layer = header.layer
         with record.write_lock:
             if record.state.is_terminal:
+                conn.fs.discard(expected)
                 return
-            plan.copy(halves[0], self._rows[header.layer, 0], streaming=streaming)
-            plan.copy(halves[1], self._rows[header.layer, 1], streaming=streaming)
+            views = _run_views(self._rows[layer, 0], runs) + _run_views(self._rows[layer, 1], runs)
+            conn.fs.recv_views(views)
+            if header.has_crc:
+                crc = _crc(views)
+                if crc != header.crc:
+                    raise ChecksumMismatchError(
+                        f"layer {layer} of {record.request_id!r}: payload crc32 {crc:#010x}, "
+                        f"sender computed {header.crc:#010x}"
+                    )
 
 
 class TcpSender(StreamSender):
@@ -136,7 +132,6 @@ class TcpSender(StreamSender):
         options: TransferOptions = TransferOptions(),
     ) -> None:
         super().__init__(spec, model_id=model_id, release=release, options=options)
-        self._pack = np.empty(0, dtype=np.uint8)
 
     def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
         return connect_tcp(endpoint, timeout_s)
@@ -145,30 +140,16 @@ class TcpSender(StreamSender):
         self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
     ) -> None:
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
-        src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
-        n, row_bytes = len(item.src_ids), src_k.shape[1]
-        plan = record.cache.get("plan")
-        if not isinstance(plan, CopyPlan):
-            plan = record.cache["plan"] = CopyPlan.build(
-                item.src_ids, np.arange(n, dtype=np.int64), row_bytes
-            )
-        corrupt = item.layer in self.corrupt_layers
-        if plan.kind == "slices" and not corrupt:  # a few source runs: send them in place
-            parts = [rows[s : s + k].data for rows in (src_k, src_v) for s, _, k in plan.slices]
-        else:
-            if self._pack.nbytes < 2 * n * row_bytes:
-                self._pack = np.empty(2 * n * row_bytes, dtype=np.uint8)
-            packed = self._pack[: 2 * n * row_bytes].reshape(2, n, row_bytes)
-            plan.copy(src_k, packed[0])
-            plan.copy(src_v, packed[1])
-            parts = [packed.data]
-        crc = None
-        if self.checksum:
-            crc = 0
-            for part in parts:
-                crc = zlib.crc32(part, crc)
-        if corrupt:
-            packed[0, 0, 0] ^= 0xFF
+        runs = record.cache.get("runs")
+        if not isinstance(runs, list):
+            runs = record.cache["runs"] = _id_runs(item.src_ids)
+        k_rows, v_rows = block_rows(item.k_cache), block_rows(item.v_cache)
+        parts = _run_views(k_rows, runs) + _run_views(v_rows, runs)
+        crc = _crc(parts) if self.checksum else None
+        if item.layer in self.corrupt_layers:  # test hook: damage a copy, never the cache
+            damaged = bytearray(b"".join(parts))
+            damaged[0] ^= 0xFF
+            parts = [memoryview(damaged)]
         if record.state.is_terminal:
             return
         conn.fs.send(
@@ -179,3 +160,22 @@ class TcpSender(StreamSender):
             crc=crc,
             payload=parts,
         )
+
+
+def _id_runs(block_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """Runs of consecutive block ids as `(first id, length)`, in order."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return [(int(ids[i]), k) for i, k in contiguous_runs(ids)]
+
+
+def _run_views(rows: np.ndarray, runs: list[tuple[int, int]]) -> list[memoryview]:
+    """One flat byte view per run of rows of a `[blocks, bytes]` matrix (no copies)."""
+    flat, row_bytes = rows.reshape(-1).data, rows.shape[1]
+    return [flat[start * row_bytes : (start + k) * row_bytes] for start, k in runs]
+
+
+def _crc(views: list[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc

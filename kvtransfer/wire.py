@@ -31,6 +31,7 @@ _HEADER = struct.Struct("<IBBHIQQI")
 HEADER_SIZE = _HEADER.size
 FLAG_CRC = 0x1
 _SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
 
 
 class Kind(enum.IntEnum):
@@ -112,13 +113,21 @@ class FrameSocket:
             with self._send_lock:
                 if len(parts) == 1 and parts[0].nbytes < 65536:
                     self.sock.sendall(head + parts[0].tobytes())
-                    return
-                self.sock.sendall(head)
-                for part in parts:
-                    self.sock.sendall(part)
+                elif len(parts) <= 2:
+                    self.sock.sendall(head)
+                    for part in parts:
+                        self.sock.sendall(part)
+                else:  # many blocks: gather-write them straight from the cache
+                    self._sendmsg_all([memoryview(head), *parts])
         except OSError as exc:
             self.close()
             raise PeerLostError(f"send failed: {exc}") from exc
+
+    def _sendmsg_all(self, views: list[memoryview]) -> None:
+        i = 0
+        while i < len(views):
+            sent = self.sock.sendmsg(views[i : i + IOV_MAX])
+            i = _advance(views, i, sent)
 
     def send_json(self, kind: Kind, request_id: str = "", obj: object = None, **kw: int) -> None:
         body = json.dumps({} if obj is None else obj).encode()
@@ -144,6 +153,23 @@ class FrameSocket:
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` completely from the socket (a frame's payload)."""
         self._recv_exact(view)
+
+    def recv_views(self, views: Sequence[memoryview]) -> None:
+        """Fill every view in order (a payload scattered straight into cache blocks)."""
+        views = list(views)
+        i = 0
+        while i < len(views):
+            try:
+                got = self.sock.recvmsg_into(views[i : i + IOV_MAX])[0]
+            except TimeoutError:
+                if self._closed:
+                    raise PeerLostError("connection closed") from None
+                continue
+            except OSError as exc:
+                raise PeerLostError(f"receive failed: {exc}") from exc
+            if got == 0:
+                raise PeerLostError("peer closed the connection mid-frame")
+            i = _advance(views, i, got)
 
     def recv_json(self, header: Header) -> dict[str, object]:
         raw = bytearray(header.nbytes)
@@ -190,6 +216,21 @@ class FrameSocket:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def _advance(views: list[memoryview], i: int, nbytes: int) -> int:
+    """Consume `nbytes` from `views[i:]` (trimming a partly used view); the next index."""
+    while nbytes:
+        size = views[i].nbytes
+        if nbytes >= size:
+            nbytes -= size
+            i += 1
+        else:
+            views[i] = views[i][nbytes:]
+            nbytes = 0
+    while i < len(views) and views[i].nbytes == 0:
+        i += 1
+    return i
 
 
 def _flat_bytes(buffer: memoryview | bytes) -> memoryview:

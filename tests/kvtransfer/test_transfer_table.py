@@ -150,3 +150,19 @@ def test_mark_layer_counts_and_stops_after_terminal() -> None:
     assert rec.num_layers_done == 2 and rec.state is TransferState.TRANSFERRING
     t.finish("r", TransferState.ABORTED)
     assert not t.mark_layer(rec, 1)
+
+
+def test_fence_timeout_cuts_the_writer_before_release_and_barrier_runs_last() -> None:
+    events: list[str] = []
+    t = TransferTable(
+        lambda rid: events.append(f"release {rid}"),
+        release_on_done=False,
+        fence_timeout_s=0.0,
+        barrier=lambda rec: events.append(f"barrier {rec.request_id}"),
+    )
+    rec = t.add(record())
+    t.bind(rec, object())
+    t.finish("r", TransferState.ABORTED, fence_if_bound=True)
+    assert events == []
+    t.sweep(lambda r: events.append(f"cut {r.request_id}"))
+    assert events == ["cut r", "barrier r", "release r"]

@@ -93,3 +93,20 @@ def test_send_after_close_raises_peer_lost(pair: tuple[FrameSocket, FrameSocket]
     with pytest.raises(PeerLostError):
         for _ in range(100):  # the first sends may still fit in the buffer
             left.send(Kind.LAYER, "x", payload=[b"y" * 65536])
+
+
+def test_many_buffers_out_and_scattered_in(pair: tuple[FrameSocket, FrameSocket]) -> None:
+    left, right = pair
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 255, size=600_000, dtype=np.uint8)
+    cuts = np.sort(rng.choice(np.arange(1, data.size), size=2500, replace=False))
+    parts = [p.data for p in np.split(data, cuts)]  # > IOV_MAX buffers, uneven sizes
+    sender = threading.Thread(target=lambda: left.send(Kind.LAYER, "v", payload=parts))
+    sender.start()
+    header = right.recv_header()
+    assert header is not None and header.nbytes == data.nbytes
+    out = np.zeros_like(data)
+    cuts_in = np.sort(rng.choice(np.arange(1, data.size), size=1700, replace=False))
+    right.recv_views([p.data for p in np.split(out, cuts_in)])
+    sender.join()
+    assert np.array_equal(out, data)
