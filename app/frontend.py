@@ -84,6 +84,7 @@ class Frontend:
     ) -> PreparedRequest:
         """Authenticate, check limits and route. Raises an `APIError` (→ 4xx) on bad input."""
         tenant = self.policy.tenant_for_key(api_key)
+        route = self.policy.route(len(prompt_token_ids), tenant)
         limits = self.config.limits
         if params.max_tokens > limits.max_output_tokens:
             raise BadRequestError(
@@ -98,7 +99,6 @@ class Frontend:
                 f"({params.max_tokens}) = {total} exceeds the model's context length of "
                 f"{self.model_config.max_model_len}"
             )
-        route = self.policy.route(len(prompt_token_ids), tenant)
         return PreparedRequest(
             request_id=uuid.uuid4().hex,
             tenant=tenant,

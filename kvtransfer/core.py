@@ -204,6 +204,8 @@ class TableSender(KVSender):
                     f"{name} is {tuple(t.shape)}/{t.dtype}, expected {expected}/"
                     f"{self.spec.torch_dtype}"
                 )
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (one layer of a paged cache)")
         if len(src_block_ids) != ticket.num_blocks:
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for a ticket of {ticket.num_blocks}"

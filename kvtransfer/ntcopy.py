@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Below this many bytes per transfer the written blocks likely still fit in the last-level
 # cache, where the decode side reads them faster than from DRAM: keep ordinary stores
 # there. (glibc picks streaming stores for memcpy from 16-32 MiB on the machines we use.)
-STREAMING_MIN_BYTES = 32 * 1024 * 1024
+STREAMING_MIN_BYTES = 4194304
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -94,20 +94,28 @@ static void row_sse2(uint8_t* d, const uint8_t* s, int64_t n) {
 }
 #endif
 
-/* dst[dst_ids[i]] = src[src_ids[i]] for i < n, rows of row_bytes bytes. */
-void pd_copy_rows(uint8_t* dst, const uint8_t* src, const int64_t* dst_ids,
-                  const int64_t* src_ids, int64_t n, int64_t row_bytes) {
+/* For each of `pairs` (dst, src) matrices: dst[dst_ids[i]] = src[src_ids[i]], i < n. */
+void pd_copy_rows(int64_t pairs, const int64_t* dsts, const int64_t* srcs,
+                  const int64_t* dst_ids, const int64_t* src_ids, int64_t n,
+                  int64_t row_bytes) {
 #if defined(__x86_64__)
     int wide = __builtin_cpu_supports("avx512f");
-    for (int64_t i = 0; i < n; i++) {
-        uint8_t* d = dst + dst_ids[i] * row_bytes;
-        const uint8_t* s = src + src_ids[i] * row_bytes;
-        if (wide) row_avx512(d, s, row_bytes); else row_sse2(d, s, row_bytes);
-    }
-    _mm_sfence();
+#endif
+    for (int64_t p = 0; p < pairs; p++) {
+        uint8_t* dst = (uint8_t*)(uintptr_t)dsts[p];
+        const uint8_t* src = (const uint8_t*)(uintptr_t)srcs[p];
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t* d = dst + dst_ids[i] * row_bytes;
+            const uint8_t* s = src + src_ids[i] * row_bytes;
+#if defined(__x86_64__)
+            if (wide) row_avx512(d, s, row_bytes); else row_sse2(d, s, row_bytes);
 #else
-    for (int64_t i = 0; i < n; i++)
-        memcpy(dst + dst_ids[i] * row_bytes, src + src_ids[i] * row_bytes, row_bytes);
+            memcpy(d, s, row_bytes);
+#endif
+        }
+    }
+#if defined(__x86_64__)
+    _mm_sfence();
 #endif
 }
 """
@@ -146,7 +154,7 @@ def _library() -> ctypes.CDLL | None:
             os.replace(target + f".{os.getpid()}", target)  # atomic: racing builds are fine
     lib = ctypes.CDLL(target)
     fn = lib.pd_copy_rows
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64]
     fn.restype = None
     return lib
 
@@ -172,26 +180,57 @@ def copy_rows(
 
     Rows are C-contiguous `[num_rows, row_bytes]` uint8 matrices; ids are int64 vectors.
     """
+    for rows in (src_rows, dst_rows):
+        if not rows.flags.c_contiguous or rows.dtype != np.uint8 or rows.ndim != 2:
+            raise ValueError("rows must be C-contiguous 2-D uint8")
+    if src_rows.shape[1] != dst_rows.shape[1]:
+        raise ValueError(f"row sizes differ: {src_rows.shape[1]} vs {dst_rows.shape[1]}")
+    copy_rows_many(
+        [(src_rows.ctypes.data, dst_rows.ctypes.data)],
+        src_ids,
+        dst_ids,
+        row_bytes=src_rows.shape[1],
+        src_num_rows=src_rows.shape[0],
+        dst_num_rows=dst_rows.shape[0],
+    )
+
+
+def copy_rows_many(
+    pairs: list[tuple[int, int]],
+    src_ids: np.ndarray,
+    dst_ids: np.ndarray,
+    *,
+    row_bytes: int,
+    src_num_rows: int,
+    dst_num_rows: int,
+) -> None:
+    """`copy_rows` for several (source address, destination address) row matrices at once.
+
+    Every source matrix has `src_num_rows` rows of `row_bytes` bytes at its address, every
+    destination `dst_num_rows` (the caller guarantees those; ids are checked against them).
+    One call copies, e.g., K and V of all queued layers with the GIL released throughout.
+    """
     lib = _library()
     assert lib is not None, "check available() first"
     n = len(src_ids)
     if n != len(dst_ids):
         raise ValueError(f"{n} source ids but {len(dst_ids)} destination ids")
-    if src_rows.shape[1] != dst_rows.shape[1]:
-        raise ValueError(f"row sizes differ: {src_rows.shape[1]} vs {dst_rows.shape[1]}")
-    for rows, ids in ((src_rows, src_ids), (dst_rows, dst_ids)):
-        if not rows.flags.c_contiguous or rows.dtype != np.uint8:
-            raise ValueError("rows must be C-contiguous uint8")
+    for ids, limit in ((src_ids, src_num_rows), (dst_ids, dst_num_rows)):
         if ids.dtype != np.int64 or not ids.flags.c_contiguous:
             raise ValueError("ids must be a contiguous int64 vector")
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= rows.shape[0]):
-            raise IndexError(f"block id out of range [0, {rows.shape[0]})")
-    if n:
-        lib.pd_copy_rows(
-            dst_rows.ctypes.data,
-            src_rows.ctypes.data,
-            dst_ids.ctypes.data,
-            src_ids.ctypes.data,
-            n,
-            src_rows.shape[1],
-        )
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            raise IndexError(f"block id out of range [0, {limit})")
+    if n == 0 or not pairs:
+        return
+    addresses = np.asarray(pairs, dtype=np.int64)  # [pairs, 2]: source, destination
+    srcs = np.ascontiguousarray(addresses[:, 0])
+    dsts = np.ascontiguousarray(addresses[:, 1])
+    lib.pd_copy_rows(
+        len(pairs),
+        dsts.ctypes.data,
+        srcs.ctypes.data,
+        dst_ids.ctypes.data,
+        src_ids.ctypes.data,
+        n,
+        row_bytes,
+    )

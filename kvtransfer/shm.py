@@ -253,35 +253,63 @@ class ShmSender(StreamSender):
     def _write_layer(
         self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
     ) -> None:
-        assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
+        self._write_layers(conn, record, [item])
+
+    def _write_layers(
+        self, conn: ReceiverConnection, record: TransferRecord, items: list[LayerItem]
+    ) -> None:
         rows = conn.state["rows"]
         assert isinstance(rows, np.ndarray)
-        src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
-        plan = record.cache.get("plan")
-        if not isinstance(plan, CopyPlan):
-            dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
-            if dst_ids.max() >= conn.num_blocks:
-                raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
-            plan = record.cache["plan"] = CopyPlan.build(item.src_ids, dst_ids, src_k.shape[1])
-            record.cache["src_ids"] = item.src_ids
-            record.cache["streaming"] = ntcopy.worth_streaming(
-                len(dst_ids) * self.spec.bytes_per_block
-            )
-        streaming = bool(record.cache["streaming"])
-        layer = item.layer
+        plan = self._plan(conn, record, items[0])
+        src_ids, dst_ids = plan.src_ids, plan.dst_ids
+        row_bytes = self.spec.bytes_per_block_per_layer
+        crcs: list[int | None] = []
         with record.write_lock:
             if record.state.is_terminal:
                 return
-            plan.copy(src_k, rows[layer, 0], streaming=streaming)
-            plan.copy(src_v, rows[layer, 1], streaming=streaming)
-            crc = None
-            if self.checksum:
-                src_ids = record.cache["src_ids"]
-                assert isinstance(src_ids, np.ndarray)
-                crc = layer_crc(src_k, src_v, src_ids)
-            if layer in self.corrupt_layers:
-                rows[layer, 0, item.ticket.block_ids[0], 0] ^= 0xFF
-        conn.fs.send(Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=layer, crc=crc)
+            if record.cache["streaming"]:  # all queued layers, K and V, in one native call
+                pairs = []
+                for item in items:
+                    assert item.k_cache is not None and item.v_cache is not None
+                    for kv, cache in enumerate((item.k_cache, item.v_cache)):
+                        pairs.append((cache.data_ptr(), rows[item.layer, kv].ctypes.data))
+                ntcopy.copy_rows_many(
+                    pairs,
+                    src_ids,
+                    dst_ids,
+                    row_bytes=row_bytes,
+                    src_num_rows=self.spec.num_blocks,
+                    dst_num_rows=conn.num_blocks,
+                )
+            for item in items:
+                assert item.k_cache is not None and item.v_cache is not None
+                src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
+                if not record.cache["streaming"]:
+                    plan.copy(src_k, rows[item.layer, 0])
+                    plan.copy(src_v, rows[item.layer, 1])
+                crcs.append(layer_crc(src_k, src_v, src_ids) if self.checksum else None)
+                if item.layer in self.corrupt_layers:
+                    rows[item.layer, 0, item.ticket.block_ids[0], 0] ^= 0xFF
+        for item, crc in zip(items, crcs, strict=True):
+            conn.fs.send(
+                Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=item.layer, crc=crc
+            )
+
+    def _plan(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> CopyPlan:
+        """The transfer's copy plan (built on its first layer) and whether to stream."""
+        plan = record.cache.get("plan")
+        if isinstance(plan, CopyPlan):
+            return plan
+        assert item.src_ids is not None
+        dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
+        if int(dst_ids.max()) >= conn.num_blocks:
+            raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
+        if int(item.src_ids.min()) < 0 or int(item.src_ids.max()) >= self.spec.num_blocks:
+            raise KVTransferError(f"source block ids outside [0, {self.spec.num_blocks})")
+        plan = CopyPlan.build(item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer)
+        record.cache["plan"] = plan
+        record.cache["streaming"] = ntcopy.worth_streaming(len(dst_ids) * self.spec.bytes_per_block)
+        return plan
 
 
 def _cached_ids(record: TransferRecord) -> np.ndarray:

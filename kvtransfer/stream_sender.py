@@ -18,6 +18,7 @@ import logging
 import queue
 import socket
 import threading
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
@@ -124,6 +125,13 @@ class StreamSender(TableSender):
         """Move one layer and send its LAYER frame."""
         raise NotImplementedError
 
+    def _write_layers(
+        self, conn: ReceiverConnection, record: TransferRecord, items: list[LayerItem]
+    ) -> None:
+        """Move consecutive queued layers of one transfer (shm copies them in one call)."""
+        for item in items:
+            self._write_layer(conn, record, item)
+
     def _item_ready(self, k_cache: torch.Tensor) -> object | None:
         """Called on the caller's thread in send_layer (nccl: record a CUDA event)."""
         return None
@@ -163,15 +171,26 @@ class StreamSender(TableSender):
     # -- worker ----------------------------------------------------------------------------
 
     def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
+        backlog: deque[LayerItem | None] = deque()
+        while (item := backlog.popleft() if backlog else self._queue.get()) is not None:
             if item.layer == ABORT_ITEM:
                 self._send_unbound_abort(item.ticket)
                 continue
+            batch = [item]
+            while item.layer >= 0:  # coalesce the layers of this ticket already queued
+                try:
+                    following = backlog.popleft() if backlog else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if following is None or following.layer < 0 or following.ticket != item.ticket:
+                    backlog.appendleft(following)
+                    break
+                batch.append(following)
             record = self._table.get(item.ticket.request_id)
             if record is None or record.ticket != item.ticket or record.state.is_terminal:
                 continue
             try:
-                self._serve(record, item)
+                self._serve(record, batch)
             except RejectedError as exc:
                 self._terminate(record.request_id, exc.state, exc.cause)
             except KVTransferError as exc:
@@ -183,7 +202,8 @@ class StreamSender(TableSender):
                 logger.exception("sending %r failed", record.request_id)
                 self._terminate(record.request_id, TransferState.FAILED, KVTransferError(repr(exc)))
 
-    def _serve(self, record: TransferRecord, item: LayerItem) -> None:
+    def _serve(self, record: TransferRecord, batch: list[LayerItem]) -> None:
+        item = batch[0]
         ticket = item.ticket
         timeout_s = min(self._connect_timeout_s, ticket.seconds_left())
         if timeout_s <= 0:
@@ -196,8 +216,9 @@ class StreamSender(TableSender):
         if record.peer is not conn:
             raise PeerLostError("connection to the receiver was replaced mid-transfer")
         if item.layer >= 0:
-            self._write_layer(conn, record, item)
-            self._table.mark_layer(record, item.layer)
+            self._write_layers(conn, record, batch)
+            for done in batch:
+                self._table.mark_layer(record, done.layer)
         else:
             conn.fs.send(
                 Kind.FINISH, ticket.request_id, epoch=ticket.epoch, layer=self.spec.num_layers
