@@ -284,6 +284,10 @@ class PDServeConfig(_Strict):
     tenants: list[TenantConfig] = Field(
         default_factory=list, description='Empty = no auth: one anonymous tenant "".'
     )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys that may read /v1/pdserve/stats when tenants are configured.",
+    )
     limits: LimitSettings = Field(default_factory=LimitSettings, description="Request size limits.")
     http: HttpSettings = Field(
         default_factory=HttpSettings,

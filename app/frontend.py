@@ -16,14 +16,20 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from app.config import PDServeConfig
-from app.errors import BadRequestError, ModelNotFoundError, RateLimitError
+from app.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ContextLengthExceededError,
+    ModelNotFoundError,
+    RateLimitError,
+)
 from app.protocol import choice_sampling_params
 from app.router import RouteDecision, RouterPolicy
 from decode.protocol import GenerationSpec
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestOutput
-from engine.request import InvalidRequestError, SamplingParams
+from engine.request import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,16 @@ class Frontend:
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=1000)
 
     # ---- checks ----------------------------------------------------------------------
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        """Output budget when the client names none: the service limit, within the context."""
+        room = self.model_config.max_model_len - num_prompt_tokens
+        return max(1, min(self.config.limits.max_output_tokens, room))
+
+    def check_admin(self, api_key: str | None) -> None:
+        """Operator endpoints: open without tenants, else an admin key is required."""
+        if self.policy.requires_api_key and api_key not in self.config.admin_api_keys:
+            raise AuthenticationError("this endpoint needs an admin API key")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model.model):
@@ -94,10 +110,11 @@ class Frontend:
             )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.model_config.max_model_len:
-            raise InvalidRequestError(
-                f"max_tokens: prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({params.max_tokens}) = {total} exceeds the model's context length of "
-                f"{self.model_config.max_model_len}"
+            raise ContextLengthExceededError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context length of "
+                f"{self.model_config.max_model_len}",
+                param="max_tokens",
             )
         return PreparedRequest(
             request_id=uuid.uuid4().hex,

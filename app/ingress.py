@@ -95,12 +95,23 @@ class Ingress:
             async for index, delta in self.frontend.run(prepared):
                 builder.add(index, delta)
             return JSONResponse(builder.build().model_dump(mode="json"), headers=headers)
-        # Run the first step before answering, so an immediate error is a real 4xx/5xx.
+        # Wait for the first delta before answering, so an early error (quota, a pool
+        # that is down) is a real 4xx/5xx status rather than an in-band SSE error.
         events = self.frontend.run(prepared)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+
+        async def rest() -> AsyncIterator[tuple[int, Any]]:
+            if first is not None:
+                yield first
+                async for item in events:
+                    yield item
 
         async def sse() -> AsyncIterator[str]:
             try:
-                async for index, delta in events:
+                async for index, delta in rest():
                     chunk = builder.add(index, delta)
                     if chunk is not None:
                         yield sse_event(chunk)
@@ -136,8 +147,8 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         body = ChatCompletionRequest.model_validate(await self._body(request))
         self.frontend.check_model(body.model)
-        params = body.to_sampling_params(default_max_tokens=self.config.limits.max_output_tokens)
         prompt_ids = self.frontend.tokenize_chat(body.chat_messages())
+        params = body.to_sampling_params(self.frontend.default_max_tokens(len(prompt_ids)))
         prepared = self.frontend.prepare(_api_key(request), prompt_ids, params, body.n)
         builder = ChatBuilder(
             self.frontend.model_name,
@@ -148,7 +159,8 @@ class Ingress:
         return await self._respond(prepared, builder, body.stream, body.include_usage)
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> dict[str, Any]:
+        self.frontend.policy.tenant_for_key(_api_key(request))  # 401 for unknown keys
         card = ModelCard(id=self.frontend.model_name, created=self.created)
         return ModelList(data=[card]).model_dump(mode="json")
 
@@ -162,8 +174,10 @@ class Ingress:
         return {"status": "ok", "pools": {name: s["replica"] for name, s in stats.items()}}
 
     @api.get("/v1/pdserve/stats")
-    async def stats(self) -> dict[str, Any]:
-        """Extension: routing decisions and each pool's KV occupancy (one replica each)."""
+    async def stats(self, request: Request) -> dict[str, Any]:
+        """Extension: routing decisions and each pool's KV occupancy (one replica each).
+        With tenants configured, only admin keys may read it."""
+        self.frontend.check_admin(_api_key(request))
         return {"routing": self.frontend.routing_report(), "pools": await self._pool_stats()}
 
     async def _pool_stats(self) -> dict[str, Any]:

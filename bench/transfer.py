@@ -128,6 +128,7 @@ def _send_all(
     from kvtransfer.base import KVSender
 
     assert isinstance(sender, KVSender)
+    sender.connect(ticket, 10.0)  # as PrefillServer does when the ticket arrives
     t0 = time.perf_counter()
     for layer in range(cache.num_layers):
         if delay_s:

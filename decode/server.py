@@ -160,7 +160,9 @@ class DecodeServer:
             self.replica.counters["remote_cached_tokens"] += result.num_cached_tokens
 
             def start(result: PrefillResult = result) -> None:
-                delta = self.engine.kv_received(rid, result.first_token_id, result.logprobs)
+                delta = self.engine.kv_received(
+                    rid, result.first_token_id, result.logprobs, result.num_cached_tokens
+                )
                 self.loop.publish(delta)
 
             await self.loop.call_async(start)

@@ -145,10 +145,16 @@ class Engine:
         return block_ids
 
     def kv_received(
-        self, request_id: str, first_token_id: int, logprobs: dict[int, float] | None
+        self,
+        request_id: str,
+        first_token_id: int,
+        logprobs: dict[int, float] | None,
+        num_cached_tokens: int = 0,
     ) -> RequestOutput:
         """Decode pool: the KV landed; start decoding and return the first token's delta."""
-        request = self.scheduler.kv_received(request_id, first_token_id, logprobs)
+        request = self.scheduler.kv_received(
+            request_id, first_token_id, logprobs, num_cached_tokens
+        )
         status = self.scheduler.check_stop(request, first_token_id)
         if status is not None:
             self.scheduler.finish_request(request_id, status)

@@ -102,11 +102,20 @@ class Scheduler:
         return list(self.kv.block_table(request.request_id))
 
     def kv_received(
-        self, request_id: str, first_token_id: int, logprobs: dict[int, float] | None = None
+        self,
+        request_id: str,
+        first_token_id: int,
+        logprobs: dict[int, float] | None = None,
+        num_cached_tokens: int = 0,
     ) -> Request:
-        """Decode pool: the prompt's KV is in our blocks; start decoding after `first_token_id`."""
+        """Decode pool: the prompt's KV is in our blocks; start decoding after `first_token_id`.
+
+        `num_cached_tokens` is how much of the prompt the prefill replica reused from its
+        prefix cache (reported in usage).
+        """
         request = self.waiting_for_kv.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = num_cached_tokens
         request.append_output_token(first_token_id, logprobs)
         request.status = RequestStatus.RUNNING
         self.kv.cache_blocks(request)

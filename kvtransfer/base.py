@@ -320,8 +320,8 @@ class KVSender(abc.ABC):
     """Prefill side: streams one request's layers to the ticket's receiver.
 
     Thread-safe. `release(request_id)` is called exactly once for every request id given to
-    a successful `connect`, or to `send_layer`, `finish` or `abort`, when its transfer
-    reaches any terminal state: the source blocks are then no longer read and may be freed.
+    `connect`, `send_layer`, `finish` or `abort`, when its transfer reaches any terminal
+    state: the source blocks are then no longer read and may be freed.
     """
 
     backend: str
@@ -332,10 +332,12 @@ class KVSender(abc.ABC):
     def connect(self, ticket: Ticket, timeout_s: float) -> None:
         """Optional: called by prefill when a ticket arrives, before computing.
 
-        Performs the handshake now and raises `KVLayoutMismatchError`, `StaleEpochError` or
-        `PeerLostError` instead of failing the transfer later. On success the transfer is
-        registered (PENDING): an `abort` from now on reaches the receiver even before the
-        first layer, and `release` will follow its end. Frees nothing.
+        Registers the transfer, performs the handshake and binds it at the receiver now
+        (so the first layer is written without a round trip), and raises
+        `KVLayoutMismatchError`, `StaleEpochError` or `PeerLostError` instead of failing
+        later; the transfer then ended FAILED and `release` follows as for any end. After
+        a successful connect an `abort` reaches the receiver even before the first layer.
+        Frees nothing.
         """
 
     @abc.abstractmethod

@@ -174,11 +174,24 @@ class LocalSender(TableSender):
         return receiver
 
     def connect(self, ticket: Ticket, timeout_s: float) -> None:
-        self.layout.check_matches(ticket.layout, "sender", "ticket")
+        record = self._record(ticket)
+        if record is None:  # refused on the spot (layout) or already ended
+            ended = self._table.require(ticket.request_id)
+            raise ended.error or KVTransferError(f"transfer is {ended.state.value}")
+        try:
+            self._bind(record, ticket)
+        except KVTransferError as exc:
+            self._terminate(ticket.request_id, TransferState.FAILED, exc)
+            raise
+
+    def _bind(self, record: TransferRecord, ticket: Ticket) -> tuple[LocalReceiver, TransferRecord]:
+        """The receiver and its record for this transfer, binding them on first use."""
         receiver = self._receiver(ticket)
-        if ticket.epoch != receiver.epoch:
-            raise StaleEpochError(f"ticket epoch {ticket.epoch} != receiver {receiver.epoch}")
-        self._record(ticket)
+        remote = record.cache.get("remote")
+        if not isinstance(remote, TransferRecord):
+            remote = record.cache["remote"] = receiver.bind(ticket, self)
+            self._table.bind(record, receiver)
+        return receiver, remote
 
     def send_layer(
         self,
@@ -193,11 +206,7 @@ class LocalSender(TableSender):
         if record is None:
             return
         try:
-            receiver = self._receiver(ticket)
-            remote = record.cache.get("remote")
-            if not isinstance(remote, TransferRecord):
-                remote = record.cache["remote"] = receiver.bind(ticket, self)
-                self._table.bind(record, receiver)
+            receiver, remote = self._bind(record, ticket)
             with record.write_lock:
                 if record.state.is_terminal:
                     return

@@ -142,10 +142,19 @@ class StreamSender(TableSender):
     # -- interface -------------------------------------------------------------------------
 
     def connect(self, ticket: Ticket, timeout_s: float) -> None:
-        self.layout.check_matches(ticket.layout, "sender", "ticket")
-        conn = self._connection(ticket.endpoint, timeout_s)
-        _check_epoch(ticket, conn)
-        self._record(ticket)
+        record = self._record(ticket)
+        if record is None:  # refused on the spot (layout) or already ended
+            ended = self._table.require(ticket.request_id)
+            raise ended.error or KVTransferError(f"transfer is {ended.state.value}")
+        try:
+            conn = self._connection(ticket.endpoint, min(timeout_s, ticket.seconds_left()))
+            self._begin(conn, record, ticket)
+        except RejectedError as exc:
+            self._terminate(ticket.request_id, exc.state, exc.cause)
+            raise exc.cause from None
+        except KVTransferError as exc:
+            self._terminate(ticket.request_id, TransferState.FAILED, exc)
+            raise
 
     def send_layer(
         self,
@@ -209,8 +218,7 @@ class StreamSender(TableSender):
         if timeout_s <= 0:
             raise TransferExpiredError("ticket deadline passed before sending")
         conn = self._connection(ticket.endpoint, timeout_s)
-        if record.peer is None:
-            self._begin(conn, record, ticket)
+        self._begin(conn, record, ticket)
         if record.state.is_terminal:
             return
         if record.peer is not conn:
@@ -245,17 +253,20 @@ class StreamSender(TableSender):
             )
 
     def _begin(self, conn: ReceiverConnection, record: TransferRecord, ticket: Ticket) -> None:
-        _check_epoch(ticket, conn)
-        accepted: Future[None] = Future()
-        conn.pending[ticket.request_id] = accepted
+        """Bind the transfer to `conn` (BEGIN) once; every caller waits for the ACCEPT."""
+        with self._records_lock:
+            accepted = record.cache.get("accepted")
+            if not isinstance(accepted, Future):
+                _check_epoch(ticket, conn)
+                accepted = record.cache["accepted"] = Future()
+                conn.pending[ticket.request_id] = accepted
+                if not self._table.bind(record, conn):
+                    return  # ended meanwhile
+                conn.fs.send(Kind.BEGIN, ticket.request_id, epoch=ticket.epoch)
         try:
-            if not self._table.bind(record, conn):
-                return  # ended meanwhile
-            conn.fs.send(Kind.BEGIN, ticket.request_id, epoch=ticket.epoch)
-            try:
-                accepted.result(timeout=max(0.0, min(self._io_timeout_s, ticket.seconds_left())))
-            except TimeoutError:
-                raise PeerLostError("receiver did not answer BEGIN in time") from None
+            accepted.result(timeout=max(0.0, min(self._io_timeout_s, ticket.seconds_left())))
+        except TimeoutError:
+            raise PeerLostError("receiver did not answer BEGIN in time") from None
         finally:
             conn.pending.pop(ticket.request_id, None)
 

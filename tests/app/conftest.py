@@ -107,7 +107,10 @@ class Server:
         )
 
     def stats(self) -> dict[str, Any]:
-        response = self.http.get("/v1/pdserve/stats")
+        admin_keys = self.args.get("admin_api_keys") or ["none"]
+        response = self.http.get(
+            "/v1/pdserve/stats", headers={"Authorization": f"Bearer {admin_keys[0]}"}
+        )
         assert response.status_code == 200, response.text
         return response.json()
 

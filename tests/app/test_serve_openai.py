@@ -283,12 +283,6 @@ def test_repeated_prompt_hits_prefill_cache(
     assert 0 < cached < len(ref.prompt_ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: DecodeServer passes PrefillResult.num_cached_tokens only to its counters, "
-    "never to the engine request, so usage.prompt_tokens_details.cached_tokens is always 0 "
-    "after remote prefill",
-)
 def test_usage_reports_remotely_cached_tokens(client: openai.OpenAI, hf: HFGreedy) -> None:
     ref = hf.complete(CACHED_PROMPT, MAX_TOKENS)
     for _ in range(2):
