@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,12 +84,12 @@ class Frontend:
         return list(prompt)
 
     def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
+        ids: Any = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True
         )
-        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # a BatchEncoding
             ids = ids["input_ids"]
-        return list(ids)
+        return [int(t) for t in ids]
 
     def prepare(
         self,
@@ -127,7 +127,7 @@ class Frontend:
 
     # ---- running ---------------------------------------------------------------------
 
-    async def run(self, prepared: PreparedRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """Stream `(choice index, delta)` of every choice until all have finished."""
         tenant_config = self.policy.tenant_config(prepared.tenant)
         quota = tenant_config.max_concurrent_requests if tenant_config else None

@@ -30,10 +30,15 @@ DEFAULT_ARGS: dict[str, Any] = {
 }
 
 ROUTER_CONFIG = RequestRouterConfig(
-    request_router_class="app.replica_router:KVAwareRouter",
-    request_routing_stats_period_s=1.0,
-    request_routing_stats_timeout_s=5.0,
+    request_router_class="app.replica_router:KVAwareRouter",  # type: ignore[arg-type]
+    request_routing_stats_period_s=1.0,  # type: ignore[arg-type]
+    request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]
 )
+
+
+def _deployment(cls: type) -> Any:
+    """`serve.deployment(cls)`: the class stays importable and testable without Serve."""
+    return serve.deployment(cls)
 
 
 def _options(pool: PoolConfig) -> dict[str, Any]:
@@ -51,13 +56,13 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     options = TransferOptions(checksum=config.transfer.checksum)
     backend = config.transfer.backend
     prefill = {
-        pool.name: serve.deployment(PrefillServer)
+        pool.name: _deployment(PrefillServer)
         .options(**_options(pool))
         .bind(engine_config, backend, options, pool=pool.name)
         for pool in config.pools_by_role("prefill")
     }
     decode = {
-        pool.name: serve.deployment(DecodeServer)
+        pool.name: _deployment(DecodeServer)
         .options(**_options(pool))
         .bind(
             engine_config,
@@ -69,7 +74,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
         )
         for pool in config.pools_by_role("decode")
     }
-    ingress = serve.deployment(Ingress).options(
+    ingress = _deployment(Ingress).options(
         name="ingress",
         num_replicas=1,
         ray_actor_options={"num_cpus": 0.1},

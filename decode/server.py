@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from typing import Any, Protocol
 
 from decode.protocol import GenerationSpec
@@ -113,7 +114,7 @@ class DecodeServer:
 
     async def _prefill_remotely(self, spec: GenerationSpec, request: Request) -> bool:
         """Try remote prefill (with one retry). True when decoding has started."""
-        assert self.receiver is not None
+        assert self.receiver is not None and spec.prefill_pool is not None
         rid = spec.request_id
         for attempt in range(MAX_REMOTE_ATTEMPTS):
             if attempt:
@@ -121,7 +122,7 @@ class DecodeServer:
                 self.replica.counters["prefill_retries"] += 1
             transfer_id = f"{rid}#{attempt}"
             self._active_transfer[rid] = transfer_id  # before reserving: see _on_release
-            block_ids = await self.loop.call_async(lambda r=request: self.engine.reserve_for_kv(r))
+            block_ids = await self.loop.call_async(partial(self.engine.reserve_for_kv, request))
             if block_ids is None:
                 self._active_transfer.pop(rid, None)
                 self.replica.counters["no_kv_room"] += 1

@@ -64,6 +64,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, looked up per token."""
 
+    cos: torch.Tensor  # [max_pos, head_dim]
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
@@ -87,6 +90,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def has_o_proj_bias(config: ModelConfig) -> bool:
+    """Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not."""
+    return config.attention_bias and config.architecture != "qwen2"
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -99,9 +107,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        # Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not.
-        o_bias = config.attention_bias and config.architecture != "qwen2"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=has_o_proj_bias(config))
 
     def forward(
         self,
@@ -236,7 +242,7 @@ class CausalLM(nn.Module):
                 bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
                 put(dst + "self_attn.qkv_proj.bias", torch.cat(bias))
             put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
-            if self.layers[i].self_attn.o_proj.bias is not None:
+            if has_o_proj_bias(self.config):
                 put(dst + "self_attn.o_proj.bias", take(attn + "o_proj.bias"))
             gate_up = [take(f"{mlp}{p}_proj.weight") for p in ("gate", "up")]
             put(dst + "mlp.gate_up_proj.weight", torch.cat(gate_up))

@@ -31,10 +31,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-# Below this many bytes per transfer the written blocks likely still fit in the last-level
-# cache, where the decode side reads them faster than from DRAM: keep ordinary stores
-# there. (glibc picks streaming stores for memcpy from 16-32 MiB on the machines we use.)
-STREAMING_MIN_BYTES = 4194304
+# Below this many bytes per transfer the written blocks may well still be in the last-level
+# cache when the decode side reads them, and per-call overhead dominates: keep ordinary
+# stores there. Above it streaming stores win (measured: 512-token transfers of a 135M model,
+# 24 MB, copy ~1.7x faster with them).
+STREAMING_MIN_BYTES = 4 * 1024 * 1024
 
 _SOURCE = r"""
 #include <stdint.h>

@@ -171,6 +171,7 @@ def test_stale_epoch_is_refused(pair: Pair) -> None:
     stale = dataclasses.replace(ticket, epoch=ticket.epoch + 1)
     with pytest.raises(StaleEpochError):
         pair.sender.connect(stale, 1.0)
+    assert pair.sender_released == ["s"]  # connect registered it: it ended FAILED, released
     pair.send(stale, [0])
     assert pair.sender.poll("s") is TransferState.FAILED
     assert isinstance(pair.sender.error("s"), StaleEpochError)
