@@ -15,6 +15,9 @@ BENCHMARKS = {
     "engine": "bench.engine",
     "transfer": "bench.transfer",
     "itl": "bench.itl",
+    "serve": "bench.loadgen",
+    "goodput": "bench.goodput",
+    "compare": "bench.compare",
 }
 
 
@@ -105,9 +108,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "model":
-        return _cmd_model(args)
-    return _cmd_generate(args)
+    try:
+        if args.command == "model":
+            return _cmd_model(args)
+        return _cmd_generate(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a message, not a traceback
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ from kvtransfer.base import (
     ReleaseFn,
     TransferOptions,
 )
-from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
-from kvtransfer.stream_sender import LayerItem, ReceiverConnection, StreamSender
+from kvtransfer.connections import LayerItem, ReceiverConnection, SenderConnection
+from kvtransfer.stream_receiver import StreamReceiver
+from kvtransfer.stream_sender import StreamSender
 from kvtransfer.table import TransferRecord
 from kvtransfer.tcp import connect_tcp, listen_tcp
 from kvtransfer.wire import Header, Kind

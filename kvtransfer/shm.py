@@ -44,8 +44,9 @@ from kvtransfer.base import (
     TransferOptions,
 )
 from kvtransfer.blockcopy import CopyPlan, block_rows, layer_crc
-from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
-from kvtransfer.stream_sender import LayerItem, ReceiverConnection, StreamSender
+from kvtransfer.connections import LayerItem, ReceiverConnection, SenderConnection
+from kvtransfer.stream_receiver import StreamReceiver
+from kvtransfer.stream_sender import StreamSender
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Header, Kind
 

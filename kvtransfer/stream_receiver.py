@@ -40,22 +40,12 @@ from kvtransfer.base import (
     error_from_wire,
     error_to_wire,
 )
+from kvtransfer.connections import SenderConnection
 from kvtransfer.core import TableReceiver
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
-
-
-class SenderConnection:
-    """The receiver's end of one sender's connection."""
-
-    def __init__(self, fs: FrameSocket, name: str) -> None:
-        self.fs = fs
-        self.name = name
-        self.alive = True
-        self.thread: threading.Thread | None = None
-        self.state: dict[str, object] = {}  # backend per-connection state (communicator)
 
 
 class StreamReceiver(TableReceiver):

@@ -20,9 +20,7 @@ import socket
 import threading
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
@@ -42,48 +40,18 @@ from kvtransfer.base import (
     error_to_wire,
 )
 from kvtransfer.blockcopy import as_id_array
+from kvtransfer.connections import (
+    ABORT_ITEM,
+    FINISH_ITEM,
+    LayerItem,
+    ReceiverConnection,
+    RejectedError,
+)
 from kvtransfer.core import TableSender
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
-
-
-class RejectedError(KVTransferError):
-    """The receiver refused or ended the transfer; `state` is the state it reported."""
-
-    def __init__(self, state: TransferState, error: KVTransferError) -> None:
-        super().__init__(str(error))
-        self.state = state
-        self.cause = error
-
-
-FINISH_ITEM, ABORT_ITEM = -1, -2
-
-
-@dataclass(slots=True)
-class LayerItem:
-    ticket: Ticket
-    layer: int  # >= 0: a layer; FINISH_ITEM; ABORT_ITEM: tell the receiver we aborted
-    k_cache: torch.Tensor | None = None
-    v_cache: torch.Tensor | None = None
-    src_ids: np.ndarray | None = None
-    ready: object | None = None  # backend: e.g. a CUDA event recorded after the layer
-
-
-class ReceiverConnection:
-    """The sender's end of one receiver's connection."""
-
-    def __init__(self, fs: FrameSocket, endpoint: str, welcome: dict[str, object]) -> None:
-        self.fs = fs
-        self.endpoint = endpoint
-        self.epoch = int(str(welcome["epoch"]))
-        self.num_blocks = int(str(welcome["num_blocks"]))
-        self.welcome = welcome
-        self.alive = True
-        self.pending: dict[str, Future[None]] = {}
-        self.state: dict[str, object] = {}  # backend per-connection state (mapping, comm)
-        self.thread: threading.Thread | None = None
 
 
 class StreamSender(TableSender):

@@ -21,8 +21,9 @@ import numpy as np
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import ChecksumMismatchError, KVTransferError, ReleaseFn, TransferOptions
 from kvtransfer.blockcopy import block_rows, contiguous_runs
-from kvtransfer.stream_receiver import SenderConnection, StreamReceiver
-from kvtransfer.stream_sender import LayerItem, ReceiverConnection, StreamSender
+from kvtransfer.connections import LayerItem, ReceiverConnection, SenderConnection
+from kvtransfer.stream_receiver import StreamReceiver
+from kvtransfer.stream_sender import StreamSender
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Header, Kind
 
