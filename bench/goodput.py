@@ -71,9 +71,7 @@ def next_rate(
     estimate = interpolate_goodput(points, target)
     if estimate.high_rate is None:
         return max(rate for rate, _ in points) * 2
-    return (estimate.low_rate + estimate.high_rate) / 2 if estimate.low_rate else (
-        estimate.high_rate / 2
-    )
+    return (estimate.low_rate + estimate.high_rate) / 2
 
 
 PointRunner = Callable[[float], dict[str, Any]]  # rate -> run report (with "summary")
@@ -117,9 +115,7 @@ def goodput_report(
     estimate = interpolate_goodput([(r["rate"], r["attainment"]) for r in results], target)
     out: dict[str, Any] = {"target": target, **asdict(estimate)}
     if num_units:
-        out.update(
-            num_units=num_units, unit=unit, goodput_per_unit=estimate.goodput / num_units
-        )
+        out.update(num_units=num_units, unit=unit, goodput_per_unit=estimate.goodput / num_units)
     return out
 
 

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     worker.start()
     rng = np.random.default_rng(args.seed)
-    sink = np.zeros(max_blocks * geometry.spec(1, args.block_size).bytes_per_block, np.uint8)
+    sink = np.ones(max_blocks * geometry.spec(1, args.block_size).bytes_per_block, np.uint8)
     results: list[dict[str, object]] = []
     try:
         with tqdm(

@@ -183,6 +183,9 @@ def arrival_offsets(
     burstiness: float = 1.0,
 ) -> list[float]:
     """Send offsets in `[0, duration_s)`; the first request is sent at 0."""
+    if process == "constant":  # i / rate, not a running sum: no float drift at the end
+        interarrival_times(0, rate, process, rng)  # validates the rate
+        return [i / rate for i in range(math.ceil(rate * duration_s)) if i / rate < duration_s]
     expected = max(1, math.ceil(rate * duration_s))
     offsets: list[float] = [0.0]
     while True:
@@ -208,7 +211,9 @@ def schedule(
     Arrivals and contents use independent streams of `seed`, so two workloads at one seed
     share their arrival times.
     """
-    arrival_rng, content_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
+    arrival_rng, content_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2)
+    )
     offsets = arrival_offsets(rate, duration_s, process, arrival_rng, burstiness)
     return [ScheduledRequest(i, t, workload.sample(content_rng)) for i, t in enumerate(offsets)]
 

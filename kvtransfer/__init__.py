@@ -13,7 +13,7 @@ clear `BackendUnavailableError` when used) on a machine without CUDA:
 | --- | --- | --- |
 | `local` | one process | direct copies, completes synchronously (engine tests) |
 | `shm` | one host | sender writes into decode's cache in /dev/shm (one copy) |
-| `tcp` | across hosts | one frame per layer over a socket |
+| `tcp` | across hosts | one frame per layer, gathered from / scattered into the caches |
 | `nccl` | GPUs | NCCL send/recv, control frames over TCP |
 """
 

@@ -2,10 +2,14 @@
 
 `send_layer`/`finish` only enqueue. One worker thread drains the queue in order:
 
-    connect (cached per endpoint): HELLO -> WELCOME | REFUSE (-> KVLayoutMismatchError)
+    connection (cached per endpoint): HELLO -> WELCOME | REFUSE (-> KVLayoutMismatchError)
     first item of a ticket: epoch check, BEGIN -> wait ACCEPT | REJECT
-    layer item: backend `_write_layer` (shm: copy into the mapped cache; tcp: payload frame)
+    layer items: backend `_write_layers` (shm: copy into the mapped cache, all layers
+        already queued in one native call; tcp: one payload frame per layer)
     finish item: FINISH; the transfer turns DONE when the receiver's RESULT arrives
+
+`connect(ticket)` (called by prefill when the ticket arrives) does the handshake and
+BEGIN on the caller's thread instead, so the first layer starts without a round trip.
 
 One reader thread per connection handles ACCEPT/REJECT/RESULT and the receiver's ABORT:
 it stops our writes (under the record's write_lock), answers ABORT_ACK, and releases.

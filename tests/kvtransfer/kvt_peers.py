@@ -1,23 +1,40 @@
-"""Prefill-side helpers that run in spawned processes for the kvtransfer tests.
+"""Helpers of the multi-process kvtransfer tests: what spawned processes run, and handles.
 
-A `SendJob` describes what the prefill process does with one or more tickets; `serve`
-runs jobs sent over a pipe (one long-lived process for many tests), `send_then_hang`
-sends some layers and then stalls so a test can kill it. Spawned children inherit the
+Child side: a `SendJob` describes what the prefill process does with one or more tickets;
+`serve` runs jobs sent over a pipe (one long-lived process for many tests),
+`send_then_hang` sends some layers and then stalls so a test can kill it,
+`receive_then_wait` is a decode side that a test kills. Parent side: `Peer` drives a
+`serve` process, `Released` records release callbacks. Spawned children inherit the
 parent's sys.path, so this module and the repo import as in the test process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import KVTransferError, TransferOptions, create_sender
+from kvtransfer import (
+    KVReceiver,
+    KVTransferError,
+    TransferOptions,
+    create_receiver,
+    create_sender,
+)
 from kvtransfer.base import Ticket
+
+BACKENDS = ["shm", "tcp"]
+FAST = TransferOptions(reap_interval_s=0.02, fence_timeout_s=3.0, connect_timeout_s=5.0)
 
 
 def source_cache(spec: KVCacheSpec, seed: int) -> KVCache:
@@ -134,3 +151,111 @@ def receive_then_wait(
     receiver = create_receiver(backend, spec, model_id="test-model", release=lambda rid: None)
     conn.send(receiver.open_ticket("victim", block_ids, 60.0))
     time.sleep(600)
+
+
+# ---------------------------------------------------------------------------------------
+# parent side
+
+
+def spec(
+    num_layers: int = 3, num_blocks: int = 64, dtype: str = "float32", **kw: int
+) -> KVCacheSpec:
+    geometry = {"block_size": 4, "num_kv_heads": 2, "head_dim": 8} | kw
+    return KVCacheSpec(num_layers=num_layers, num_blocks=num_blocks, dtype=dtype, **geometry)
+
+
+class Peer:
+    """A long-lived prefill process that runs `SendJob`s."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process: BaseProcess = ctx.Process(target=serve, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+        self._pending = False
+
+    def start(self, job: SendJob) -> None:
+        assert not self._pending
+        self.conn.send(job)
+        self._pending = True
+
+    def result(self, timeout_s: float = 30.0) -> dict[str, object]:
+        assert self._pending
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("prefill process did not report")
+        self._pending = False
+        result = self.conn.recv()
+        assert "exception" not in result, result
+        return result
+
+    def run(self, job: SendJob) -> dict[str, object]:
+        self.start(job)
+        return self.result()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
+class Released:
+    """A thread-safe release callback that remembers what it freed."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, request_id: str) -> None:
+        with self._lock:
+            self.ids.append(request_id)
+
+    def wait_for(self, request_id: str, timeout_s: float = 10.0) -> bool:
+        return eventually(lambda: request_id in self.ids, timeout_s)
+
+
+def eventually(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def make_receiver(
+    backend: str, s: KVCacheSpec, released: Released, **endpoint: object
+) -> KVReceiver:
+    return create_receiver(
+        backend, s, model_id="test-model", release=released, options=FAST, **endpoint
+    )
+
+
+def random_ids(rng: np.random.Generator, num_blocks: int, n: int) -> tuple[int, ...]:
+    return tuple(int(b) for b in rng.choice(num_blocks, size=n, replace=False))
+
+
+def assert_landed(
+    receiver: KVReceiver,
+    src_spec: KVCacheSpec,
+    seed: int,
+    dst: tuple[int, ...],
+    src: tuple[int, ...],
+) -> None:
+    source = source_cache(src_spec, seed)
+    cache = receiver.kv_cache
+    for layer in range(src_spec.num_layers):
+        assert torch.equal(cache.key_caches[layer][list(dst)], source.key_caches[layer][list(src)])
+        assert torch.equal(
+            cache.value_caches[layer][list(dst)], source.value_caches[layer][list(src)]
+        )
+
+
+def reap(process: BaseProcess, conn: Connection) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join(timeout=10)
+    conn.close()

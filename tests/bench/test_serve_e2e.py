@@ -1,0 +1,66 @@
+"""`pdserve bench serve` end to end against the default app on the tiny model.
+
+A ~20-second run at a low Poisson rate with a small mixed workload, through the CLI
+dispatcher, the load generator and the metrics; the output JSON must be complete and sane.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from app.cli import main
+
+if TYPE_CHECKING:
+    from bench.serve_app import RunningApp
+
+pytestmark = pytest.mark.slow
+
+DURATION_S = 20
+RATE = 1.0
+
+
+def test_bench_serve_e2e(
+    bench_server: RunningApp, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["bench", "serve", "--url", f"{bench_server.base_url}/v1", "--no-progress"]
+    argv += ["--workload", "mixed", "--rate", str(RATE), "--duration", str(DURATION_S)]
+    argv += ["--short-input-len", "48", "--short-output-len", "16"]
+    argv += ["--long-input-min", "300", "--long-input-max", "500", "--long-output-len", "8"]
+    argv += ["--long-share", "0.2", "--slo-ttft", "2000", "--slo-tpot", "200", "--seed", "3"]
+    argv += ["--json", str(out)]
+    assert main(argv) == 0
+
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = json.loads(last_line)
+    document = json.loads(out.read_text())
+    summary, records = document["summary"], document["records"]
+    assert printed["num_requests"] == summary["num_requests"] == len(records)
+    assert document["run"]["model"] == bench_server.model_name == "pdserve-tiny"
+
+    # Poisson at 1 req/s for 20 s: about 20 requests, all completed.
+    assert 8 <= summary["num_requests"] <= 40
+    assert summary["num_completed"] == summary["num_requests"]
+    assert summary["num_failed"] == 0
+    assert {r["label"] for r in records} <= {"short", "long"}
+    for r in records:
+        assert r["success"], r["error"]
+        assert r["output_tokens"] == r["max_tokens"]  # ignore_eos: exact lengths
+        assert r["prompt_tokens"] == r["input_len"]  # one char per token, plus BOS
+        assert r["ttft_ms"] > 0
+        assert r["e2e_ms"] >= r["ttft_ms"]
+        assert r["chunk_times_s"] == sorted(r["chunk_times_s"])
+        assert r["route"] and "decode" in r["route"]
+
+    assert summary["num_output_tokens"] == sum(r["max_tokens"] for r in records)
+    assert summary["ttft_ms"]["p50"] > 0 and summary["tpot_ms"]["p50"] > 0
+    assert summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p90"] <= summary["ttft_ms"]["p99"]
+    assert 0 < summary["request_throughput"] <= 2 * RATE
+    slo = summary["slo"]
+    assert 0.0 <= slo["attainment"] <= 1.0
+    assert slo["attainment"] <= min(slo["ttft_attainment"], slo["tpot_attainment"])
+    assert set(summary["by_label"]) == {r["label"] for r in records}
