@@ -168,7 +168,8 @@ def server(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Server]:
     args: dict[str, Any] = request.module.pdserve_args(model_dir)
     port = free_port()
     # address="local": never attach to a cluster someone else started on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    # Replica logs stay in the Ray session dir (not the test output); failures show there.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(args), name="pdserve", route_prefix="/")
