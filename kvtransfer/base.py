@@ -18,10 +18,11 @@ from __future__ import annotations
 import abc
 import enum
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from types import TracebackType
+from typing import TypeVar
 
 import torch
 
@@ -236,16 +237,45 @@ class TransferOptions:
     corrupt_layers: frozenset[int] = frozenset()  # test hook: sender damages these layers
 
 
+_last_epoch = 0
+_epoch_lock = threading.Lock()
+
+
 def new_epoch() -> int:
-    """A receiver incarnation number: start time (µs) with 12 random low bits; fits 64 bits."""
-    return (((time.time_ns() // 1000) << 12) | secrets.randbits(12)) & (2**64 - 1)
+    """A receiver incarnation number: start time (µs) with 12 random low bits; fits 64 bits.
+
+    Strictly increasing within a process (two receivers started in the same microsecond
+    could otherwise draw the same number); the random bits separate processes.
+    """
+    global _last_epoch
+    candidate = (((time.time_ns() // 1000) << 12) | secrets.randbits(12)) & (2**64 - 1)
+    with _epoch_lock:
+        _last_epoch = max(candidate, _last_epoch + 1)
+        return _last_epoch
 
 
 # ---------------------------------------------------------------------------------------
 # The interface
 
 
-class KVReceiver(abc.ABC):
+_End = TypeVar("_End", bound="ClosesOnExit")
+
+
+class ClosesOnExit(abc.ABC):
+    """`with` support for both ends: leaving the block calls `close()` (replica shutdown)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything this end holds; idempotent."""
+
+    def __enter__(self: _End) -> _End:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class KVReceiver(ClosesOnExit):
     """Decode side: owns the destination KV cache and accepts transfers into it.
 
     Thread-safe. `release(request_id)` is called exactly once per ticket that ends in
@@ -304,19 +334,8 @@ class KVReceiver(abc.ABC):
         """Called once at replica shutdown: aborts open transfers (releasing their blocks),
         stops threads, closes sockets and frees shared memory. Idempotent."""
 
-    def __enter__(self) -> KVReceiver:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class KVSender(abc.ABC):
+class KVSender(ClosesOnExit):
     """Prefill side: streams one request's layers to the ticket's receiver.
 
     Thread-safe. `release(request_id)` is called exactly once for every request id given to
@@ -387,14 +406,3 @@ class KVSender(abc.ABC):
     def close(self) -> None:
         """Called once at replica shutdown: aborts open transfers (releasing their source
         blocks), stops the sender thread and closes connections. Idempotent."""
-
-    def __enter__(self) -> KVSender:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtransfer.base import KVTransferError, Ticket, TransferState
+from kvtransfer.base import Ticket
 from kvtransfer.wire import FrameSocket
 
 
@@ -42,15 +42,6 @@ class ReceiverConnection:
         self.pending: dict[str, Future[None]] = {}
         self.state: dict[str, object] = {}  # backend per-connection state (mapping, comm)
         self.thread: threading.Thread | None = None
-
-
-class RejectedError(KVTransferError):
-    """The receiver refused or ended the transfer; `state` is the state it reported."""
-
-    def __init__(self, state: TransferState, error: KVTransferError) -> None:
-        super().__init__(str(error))
-        self.state = state
-        self.cause = error
 
 
 FINISH_ITEM, ABORT_ITEM = -1, -2

@@ -1,7 +1,8 @@
 """Backend-independent halves of the interface: ticket bookkeeping, polling, abort, expiry.
 
 `TableReceiver` and `TableSender` implement everything in `base.py` that only needs the
-`TransferTable`; a backend adds how bytes move and how the other side is told.
+`TransferTable` (what both sides share lives in `TableEnd`); a backend adds how bytes move
+and how the other side is told.
 """
 
 from __future__ import annotations
@@ -28,41 +29,129 @@ from kvtransfer.base import (
     TransferState,
     new_epoch,
 )
+from kvtransfer.blockcopy import as_id_array
+from kvtransfer.connections import LayerItem
 from kvtransfer.table import Reaper, TransferRecord, TransferTable
 
 
-class TableReceiver(KVReceiver):
+class RejectedError(KVTransferError):
+    """The receiver refused or ended the transfer; `state` is the state it reported."""
+
+    def __init__(self, state: TransferState, error: KVTransferError) -> None:
+        super().__init__(str(error))
+        self.state = state
+        self.cause = error
+
+
+class TableEnd:
+    """What both ends answer from their `TransferTable`: poll, wait, error, abort, expiry, close.
+
+    Subclasses say how a transfer ends on their side (`_terminate`) and set the names below.
+    """
+
+    backend: str
+    _role: str  # in close()'s error: "receiver" / "sender" closed
+    _replica: str  # in abort()'s error: aborted by "decode" / "prefill"
+    _thread_tag: str  # reaper thread name: kv-<backend>-"recv"/"send"-reaper
+
+    def __init__(
+        self, spec: KVCacheSpec, model_id: str, options: TransferOptions, table: TransferTable
+    ) -> None:
+        """Called at the end of `TableReceiver`/`TableSender.__init__`; starts the reaper."""
+        self.spec = spec
+        self.layout = KVLayout.from_spec(spec, model_id)
+        self.options = options
+        self._table = table
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._reaper = Reaper(
+            f"kv-{self.backend}-{self._thread_tag}-reaper", options.reap_interval_s, self._reap
+        )
+
+    def poll(self, request_id: str) -> TransferState:
+        return self._table.require(request_id).state
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        return self._table.wait(request_id, timeout_s)
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        return self._table.require(request_id).error
+
+    def abort(self, request_id: str) -> None:
+        self._terminate(
+            request_id, TransferState.ABORTED, TransferAbortedError(f"aborted by {self._replica}")
+        )
+
+    def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
+        """End a transfer from this side (abort, expiry, failure, close)."""
+        raise NotImplementedError
+
+    def _reap(self) -> None:
+        """Called by the reaper thread: expire overdue transfers, lift timed-out fences."""
+        for request_id in self._table.overdue(time.time()):
+            self._terminate(
+                request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
+            )
+        self._table.sweep(self._on_fence_timeout)
+
+    def _on_fence_timeout(self, record: TransferRecord) -> None:
+        """A writer never confirmed it stopped: cut it off before the blocks are released.
+
+        Receivers only; a sender never fences its records.
+        """
+
+    def _shutdown(self) -> None:
+        """Backend teardown after open transfers were aborted (sockets, threads, memory)."""
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for record in self._table.open_records():
+            self._terminate(
+                record.request_id,
+                TransferState.ABORTED,
+                TransferAbortedError(f"{self._role} closed"),
+            )
+        self._table.wait_unfenced(1.0)  # only a receiver fences (until its writers stop)
+        self._reaper.stop()
+        self._shutdown()
+        for record in self._table.fenced_records():
+            self._table.unfence(record.request_id)
+
+
+class TableReceiver(TableEnd, KVReceiver):
     """Receiver bookkeeping; subclasses move bytes and override `_terminate`/`_shutdown`."""
 
     backend = "abstract"
+    _role, _replica, _thread_tag = "receiver", "decode", "recv"
 
     def __init__(
         self,
         spec: KVCacheSpec,
-        kv_cache: KVCache,
+        kv_cache: KVCache | None,
         *,
         model_id: str,
         release: ReleaseFn,
         options: TransferOptions,
         epoch: int | None = None,
     ) -> None:
+        """`kv_cache=None` allocates the destination cache on the CPU."""
+        if kv_cache is None:
+            kv_cache = KVCache.allocate(spec)
         if kv_cache.spec != spec:
             raise ValueError(f"kv_cache spec {kv_cache.spec} != receiver spec {spec}")
-        self.spec = spec
-        self.layout = KVLayout.from_spec(spec, model_id)
         self.epoch = new_epoch() if epoch is None else epoch
-        self.options = options
         self._kv_cache = kv_cache
-        self._table = TransferTable(
+        table = TransferTable(
             release,
             release_on_done=False,
             fence_timeout_s=options.fence_timeout_s,
             tombstone_ttl_s=options.tombstone_ttl_s,
             barrier=self._release_barrier,
         )
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._reaper = Reaper(f"kv-{self.backend}-recv-reaper", options.reap_interval_s, self._reap)
+        super().__init__(spec, model_id, options, table)
 
     @property
     def kv_cache(self) -> KVCache:
@@ -84,63 +173,31 @@ class TableReceiver(KVReceiver):
         self._table.add(TransferRecord(request_id, ids, deadline))
         return Ticket(request_id, self.endpoint, ids, self.layout, self.epoch, deadline)
 
-    def poll(self, request_id: str) -> TransferState:
-        return self._table.require(request_id).state
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        return self._table.wait(request_id, timeout_s)
-
     def num_layers_received(self, request_id: str) -> int:
         return self._table.require(request_id).num_layers_done
-
-    def error(self, request_id: str) -> KVTransferError | None:
-        return self._table.require(request_id).error
-
-    def abort(self, request_id: str) -> None:
-        self._terminate(
-            request_id, TransferState.ABORTED, TransferAbortedError("aborted by decode")
-        )
 
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
         """End a transfer from this side (abort, expiry, failure); backends notify the peer."""
         self._table.finish(request_id, state, error)
 
-    def _reap(self) -> None:
-        for request_id in self._table.overdue(time.time()):
-            self._terminate(
-                request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
-            )
-        self._table.sweep(self._on_fence_timeout)
-
     def _release_barrier(self, record: TransferRecord) -> None:
         """Runs right before `release` (nccl: wait for the stream writing the blocks)."""
 
-    def _on_fence_timeout(self, record: TransferRecord) -> None:
-        """A writer never confirmed it stopped: cut it off before the blocks are released."""
+    def _all_layers_landed(self, record: TransferRecord) -> bool:
+        """Called when the sender finishes: whether every layer of the transfer was marked."""
+        return record.layers_mask == (1 << self.spec.num_layers) - 1
 
-    def _shutdown(self) -> None:
-        """Backend teardown after open transfers were aborted (sockets, threads, memory)."""
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for record in self._table.open_records():
-            self._terminate(
-                record.request_id, TransferState.ABORTED, TransferAbortedError("receiver closed")
-            )
-        self._table.wait_unfenced(1.0)
-        self._reaper.stop()
-        self._shutdown()
-        for record in self._table.fenced_records():
-            self._table.unfence(record.request_id)
+    def _missing_layers_error(self, record: TransferRecord) -> KVTransferError:
+        """The error that fails a transfer finished before all its layers landed."""
+        missing = [i for i in range(self.spec.num_layers) if not record.layers_mask >> i & 1]
+        return KVTransferError(f"finished without layers {missing}")
 
 
-class TableSender(KVSender):
+class TableSender(TableEnd, KVSender):
     """Sender bookkeeping; subclasses queue/move bytes and override `_notify_peer`."""
 
     backend = "abstract"
+    _role, _replica, _thread_tag = "sender", "prefill", "send"
 
     def __init__(
         self,
@@ -148,18 +205,13 @@ class TableSender(KVSender):
         *,
         model_id: str,
         release: ReleaseFn,
-        options: TransferOptions,
+        options: TransferOptions = TransferOptions(),
     ) -> None:
-        self.spec = spec
-        self.layout = KVLayout.from_spec(spec, model_id)
-        self.options = options
-        self._table = TransferTable(
+        self._records_lock = threading.Lock()
+        table = TransferTable(
             release, release_on_done=True, tombstone_ttl_s=options.tombstone_ttl_s
         )
-        self._records_lock = threading.Lock()
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._reaper = Reaper(f"kv-{self.backend}-send-reaper", options.reap_interval_s, self._reap)
+        super().__init__(spec, model_id, options, table)
 
     # -- records ---------------------------------------------------------------------------
 
@@ -185,7 +237,9 @@ class TableSender(KVSender):
             return None
         return record
 
-    def _check_layer_args(
+    # -- interface -------------------------------------------------------------------------
+
+    def send_layer(
         self,
         ticket: Ticket,
         layer: int,
@@ -210,22 +264,36 @@ class TableSender(KVSender):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks for a ticket of {ticket.num_blocks}"
             )
+        record = self._record(ticket)
+        if record is not None:  # else the transfer already ended: nothing to send
+            item = LayerItem(ticket, layer, k_cache, v_cache, as_id_array(src_block_ids))
+            self._send_layer(record, item)
 
-    # -- interface -------------------------------------------------------------------------
+    def _send_layer(self, record: TransferRecord, item: LayerItem) -> None:
+        """Called by `send_layer` once its arguments passed and the transfer is live: move
+        (local) or queue (socket backends) the layer. Transfer problems end it FAILED."""
+        raise NotImplementedError
 
-    def poll(self, request_id: str) -> TransferState:
-        return self._table.require(request_id).state
+    def connect(self, ticket: Ticket, timeout_s: float) -> None:
+        record = self._record(ticket)
+        if record is None:  # refused on the spot (layout) or already ended
+            ended = self._table.require(ticket.request_id)
+            raise ended.error or KVTransferError(f"transfer is {ended.state.value}")
+        try:
+            self._bind_now(record, ticket, timeout_s)
+        except RejectedError as exc:
+            self._terminate(ticket.request_id, exc.state, exc.cause)
+            raise exc.cause from None
+        except KVTransferError as exc:
+            self._terminate(ticket.request_id, TransferState.FAILED, exc)
+            raise
 
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        return self._table.wait(request_id, timeout_s)
+    def _bind_now(self, record: TransferRecord, ticket: Ticket, timeout_s: float) -> None:
+        """Called by `connect` on the caller's thread: bind `record` at the receiver now.
 
-    def error(self, request_id: str) -> KVTransferError | None:
-        return self._table.require(request_id).error
-
-    def abort(self, request_id: str) -> None:
-        self._terminate(
-            request_id, TransferState.ABORTED, TransferAbortedError("aborted by prefill")
-        )
+        Raise KVTransferError to end the transfer FAILED (RejectedError: in its state).
+        """
+        raise NotImplementedError
 
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
         """End a transfer from this side: stop writing, tell the receiver, release."""
@@ -244,25 +312,3 @@ class TableSender(KVSender):
         self, record: TransferRecord, state: TransferState, error: KVTransferError
     ) -> None:
         """Tell the receiver this transfer ended on our side (backends with a channel)."""
-
-    def _reap(self) -> None:
-        for request_id in self._table.overdue(time.time()):
-            self._terminate(
-                request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
-            )
-        self._table.sweep()
-
-    def _shutdown(self) -> None:
-        """Backend teardown after open transfers were aborted (threads, sockets)."""
-
-    def close(self) -> None:
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for record in self._table.open_records():
-            self._terminate(
-                record.request_id, TransferState.ABORTED, TransferAbortedError("sender closed")
-            )
-        self._reaper.stop()
-        self._shutdown()

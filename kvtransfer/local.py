@@ -17,7 +17,6 @@ import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import (
-    BlockIds,
     KVTransferError,
     PeerLostError,
     ReleaseFn,
@@ -27,7 +26,8 @@ from kvtransfer.base import (
     TransferState,
     UnknownTransferError,
 )
-from kvtransfer.blockcopy import CopyPlan, as_id_array, block_rows
+from kvtransfer.blockcopy import CopyPlan, block_rows
+from kvtransfer.connections import LayerItem
 from kvtransfer.core import TableReceiver, TableSender
 from kvtransfer.table import TransferRecord
 
@@ -74,12 +74,7 @@ class LocalReceiver(TableReceiver):
         epoch: int | None = None,
     ) -> None:
         super().__init__(
-            spec,
-            kv_cache if kv_cache is not None else KVCache.allocate(spec),
-            model_id=model_id,
-            release=release,
-            options=options,
-            epoch=epoch,
+            spec, kv_cache, model_id=model_id, release=release, options=options, epoch=epoch
         )
         self._endpoint = f"local://{uuid.uuid4().hex}"
         with _RECEIVERS_LOCK:
@@ -121,12 +116,9 @@ class LocalReceiver(TableReceiver):
         self._table.mark_layer(record, layer)
 
     def complete(self, record: TransferRecord) -> TransferState:
-        if record.layers_mask != (1 << self.spec.num_layers) - 1:
-            missing = [i for i in range(self.spec.num_layers) if not record.layers_mask >> i & 1]
+        if not self._all_layers_landed(record):
             self._table.finish(
-                record.request_id,
-                TransferState.FAILED,
-                KVTransferError(f"finished without layers {missing}"),
+                record.request_id, TransferState.FAILED, self._missing_layers_error(record)
             )
         else:
             self._table.finish(record.request_id, TransferState.DONE)
@@ -155,16 +147,6 @@ class LocalSender(TableSender):
 
     backend = "local"
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        *,
-        model_id: str,
-        release: ReleaseFn,
-        options: TransferOptions = TransferOptions(),
-    ) -> None:
-        super().__init__(spec, model_id=model_id, release=release, options=options)
-
     def _receiver(self, ticket: Ticket) -> LocalReceiver:
         with _RECEIVERS_LOCK:
             receiver = _RECEIVERS.get(ticket.endpoint)
@@ -173,16 +155,9 @@ class LocalSender(TableSender):
         self.layout.check_matches(receiver.layout, "sender", "receiver")
         return receiver
 
-    def connect(self, ticket: Ticket, timeout_s: float) -> None:
-        record = self._record(ticket)
-        if record is None:  # refused on the spot (layout) or already ended
-            ended = self._table.require(ticket.request_id)
-            raise ended.error or KVTransferError(f"transfer is {ended.state.value}")
-        try:
-            self._bind(record, ticket)
-        except KVTransferError as exc:
-            self._terminate(ticket.request_id, TransferState.FAILED, exc)
-            raise
+    def _bind_now(self, record: TransferRecord, ticket: Ticket, timeout_s: float) -> None:
+        """Called by `connect`: bind the transfer at the receiver now (nothing to wait for)."""
+        self._bind(record, ticket)
 
     def _bind(self, record: TransferRecord, ticket: Ticket) -> tuple[LocalReceiver, TransferRecord]:
         """The receiver and its record for this transfer, binding them on first use."""
@@ -193,27 +168,18 @@ class LocalSender(TableSender):
             self._table.bind(record, receiver)
         return receiver, remote
 
-    def send_layer(
-        self,
-        ticket: Ticket,
-        layer: int,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        src_block_ids: BlockIds,
-    ) -> None:
-        self._check_layer_args(ticket, layer, k_cache, v_cache, src_block_ids)
-        record = self._record(ticket)
-        if record is None:
-            return
+    def _send_layer(self, record: TransferRecord, item: LayerItem) -> None:
+        """Called by `send_layer`: copy the layer into the receiver's cache before returning."""
+        assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
         try:
-            receiver, remote = self._bind(record, ticket)
+            receiver, remote = self._bind(record, item.ticket)
             with record.write_lock:
                 if record.state.is_terminal:
                     return
-                receiver.land_layer(remote, layer, k_cache, v_cache, as_id_array(src_block_ids))
-            self._table.mark_layer(record, layer)
+                receiver.land_layer(remote, item.layer, item.k_cache, item.v_cache, item.src_ids)
+            self._table.mark_layer(record, item.layer)
         except KVTransferError as exc:
-            self._terminate(ticket.request_id, TransferState.FAILED, exc)
+            self._terminate(item.ticket.request_id, TransferState.FAILED, exc)
 
     def finish(self, ticket: Ticket) -> None:
         record = self._record(ticket)

@@ -39,7 +39,7 @@ from kvtransfer.connections import LayerItem, ReceiverConnection, SenderConnecti
 from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.stream_sender import StreamSender
 from kvtransfer.table import TransferRecord
-from kvtransfer.tcp import connect_tcp, listen_tcp
+from kvtransfer.tcp import connect_tcp, listen_advertised
 from kvtransfer.wire import Header, Kind
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
@@ -89,6 +89,29 @@ def require_cuda(device: torch.device) -> None:
         )
 
 
+class _NcclEnd:
+    """The NCCL state both ends hold: the library, one communicator per peer, a side stream."""
+
+    device: torch.device
+
+    def _init_nccl(self, device: torch.device) -> None:
+        """Called first by both constructors: fails fast without CUDA, then loads libnccl."""
+        self.device = device
+        require_cuda(device)
+        from kvtransfer.nccl_lib import load_nccl
+
+        self._nccl = load_nccl()
+        self._comms: CommunicatorCache[int] = CommunicatorCache()
+        self._stream = torch.cuda.Stream(device)
+
+    def _abort_comm(self, key: str) -> None:
+        """Called when the peer's connection drops or is replaced: abort its communicator
+        (`ncclCommAbort` frees it and fails anything still queued on it); no-op if none."""
+        comm = self._comms.pop(key)
+        if comm is not None:
+            self._nccl.comm_abort(comm)
+
+
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -97,7 +120,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cpu")
 
 
-class NcclReceiver(StreamReceiver):
+class NcclReceiver(_NcclEnd, StreamReceiver):
     """Decode side on a GPU; see the module docstring."""
 
     backend = "nccl"
@@ -116,15 +139,8 @@ class NcclReceiver(StreamReceiver):
         device: str | torch.device | None = None,
         epoch: int | None = None,
     ) -> None:
-        self.device = kv_cache.flat.device if kv_cache is not None else _resolve_device(device)
-        require_cuda(self.device)
-        from kvtransfer.nccl_lib import load_nccl
-
-        self._nccl = load_nccl()
-        self._comms: CommunicatorCache[int] = CommunicatorCache()
-        self._stream = torch.cuda.Stream(self.device)
-        listener = listen_tcp(host, port)
-        self._advertised = (advertise_host or host, listener.getsockname()[1])
+        self._init_nccl(kv_cache.flat.device if kv_cache is not None else _resolve_device(device))
+        listener, self._advertised = listen_advertised(host, port, advertise_host)
         cache = kv_cache if kv_cache is not None else KVCache.allocate(spec, self.device)
         super().__init__(
             spec,
@@ -171,23 +187,24 @@ class NcclReceiver(StreamReceiver):
         self, conn: SenderConnection, record: TransferRecord, header: Header
     ) -> None:
         nbytes = _read_size(conn, header)
-        n, spec = len(record.block_ids), self.spec
-        expected = 2 * n * spec.bytes_per_block_per_layer
+        n = len(record.block_ids)
+        expected = _packed_bytes(self.spec, n)
         buf = self._recv_into(conn, nbytes)  # always post the matching receive
         if nbytes != expected:
             raise KVTransferError(f"layer of {nbytes} bytes, expected {expected}")
-        packed = buf.view(spec.torch_dtype).view(2, n, *spec.block_shape)
+        packed = _packed_view(buf, self.spec, n)
         if header.has_crc:
             self._stream.synchronize()
-            crc = zlib.crc32(buf.cpu().numpy().data)
+            crc = _crc(buf)
             if crc != header.crc:
                 raise ChecksumMismatchError(f"layer {header.layer}: crc32 {crc:#010x} mismatch")
         from kernels.kv_pack import unpack_kv_blocks
 
-        ids = record.cache.get("dst_ids")
-        if not isinstance(ids, torch.Tensor):
-            ids = torch.tensor(record.block_ids, dtype=torch.int64, device=self.device)
-            record.cache["dst_ids"] = ids
+        ids = record.memo(
+            "dst_ids",
+            torch.Tensor,
+            lambda: torch.tensor(record.block_ids, dtype=torch.int64, device=self.device),
+        )
         with record.write_lock, torch.cuda.stream(self._stream):
             if record.state.is_terminal:
                 return
@@ -203,12 +220,10 @@ class NcclReceiver(StreamReceiver):
         self._stream.synchronize()
 
     def _on_disconnected(self, conn: SenderConnection) -> None:
-        comm = self._comms.pop(conn.name)
-        if comm is not None:
-            self._nccl.comm_abort(comm)
+        self._abort_comm(conn.name)
 
 
-class NcclSender(StreamSender):
+class NcclSender(_NcclEnd, StreamSender):
     """Prefill side on a GPU; see the module docstring."""
 
     backend = "nccl"
@@ -222,13 +237,7 @@ class NcclSender(StreamSender):
         options: TransferOptions = TransferOptions(),
         device: str | torch.device | None = None,
     ) -> None:
-        self.device = _resolve_device(device)
-        require_cuda(self.device)
-        from kvtransfer.nccl_lib import load_nccl
-
-        self._nccl = load_nccl()
-        self._comms: CommunicatorCache[int] = CommunicatorCache()
-        self._stream = torch.cuda.Stream(self.device)
+        self._init_nccl(_resolve_device(device))
         self._buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._next_buffer = 0
         super().__init__(spec, model_id=model_id, release=release, options=options)
@@ -243,9 +252,7 @@ class NcclSender(StreamSender):
         unique_id = bytes.fromhex(raw)
         with torch.cuda.device(self.device):
             comm = self._nccl.comm_init_rank(2, unique_id, SENDER_RANK)
-        old = self._comms.pop(conn.endpoint)
-        if old is not None:
-            self._nccl.comm_abort(old)
+        self._abort_comm(conn.endpoint)
         self._comms.get_or_create(conn.endpoint, lambda: comm)
 
     def _item_ready(self, k_cache: torch.Tensor) -> object | None:
@@ -274,19 +281,17 @@ class NcclSender(StreamSender):
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
         from kernels.kv_pack import pack_kv_blocks
 
-        spec, n = self.spec, len(item.src_ids)
-        nbytes = 2 * n * spec.bytes_per_block_per_layer
+        n = len(item.src_ids)
+        nbytes = _packed_bytes(self.spec, n)
         buf = self._buffer(nbytes)
-        packed = buf.view(spec.torch_dtype).view(2, n, *spec.block_shape)
+        packed = _packed_view(buf, self.spec, n)
         ids = torch.from_numpy(item.src_ids).to(self.device, non_blocking=True)
         comm = self._comms.get_or_create(conn.endpoint, _no_comm)
         with torch.cuda.stream(self._stream):
             if isinstance(item.ready, torch.cuda.Event):
                 self._stream.wait_event(item.ready)
             pack_kv_blocks(item.k_cache, item.v_cache, ids, out=packed)
-            crc = None
-            if self.checksum:
-                crc = zlib.crc32(buf.cpu().numpy().data)
+            crc = _crc(buf) if self.checksum else None
             if item.layer in self.corrupt_layers:
                 buf[:1].bitwise_xor_(0xFF)
             if record.state.is_terminal:
@@ -305,9 +310,22 @@ class NcclSender(StreamSender):
             self._buffers[(self._next_buffer - 1) % len(self._buffers)][1].record(self._stream)
 
     def _on_disconnected(self, conn: ReceiverConnection) -> None:
-        comm = self._comms.pop(conn.endpoint)
-        if comm is not None:
-            self._nccl.comm_abort(comm)
+        self._abort_comm(conn.endpoint)
+
+
+def _packed_bytes(spec: KVCacheSpec, n: int) -> int:
+    """Bytes of `n` blocks of one layer packed by `kv_pack`: all K blocks, then all V."""
+    return 2 * n * spec.bytes_per_block_per_layer
+
+
+def _packed_view(buf: torch.Tensor, spec: KVCacheSpec, n: int) -> torch.Tensor:
+    """`buf` (uint8, `_packed_bytes` long) seen as `kv_pack`'s `[2, n, *block_shape]`."""
+    return buf.view(spec.torch_dtype).view(2, n, *spec.block_shape)
+
+
+def _crc(buf: torch.Tensor) -> int:
+    """CRC32 of a packed layer, copied to the host (only with `checksum`, it syncs)."""
+    return zlib.crc32(buf.cpu().numpy().data)
 
 
 def _read_size(conn: SenderConnection, header: Header) -> int:

@@ -204,7 +204,9 @@ class ShmReceiver(StreamReceiver):
             raise KVTransferError("shm LAYER frames carry no payload")
         if header.has_crc:
             assert self._rows is not None
-            ids = _cached_ids(record)
+            ids = record.memo(
+                "dst_ids", np.ndarray, lambda: np.asarray(record.block_ids, dtype=np.int64)
+            )
             crc = layer_crc(self._rows[header.layer, 0], self._rows[header.layer, 1], ids)
             if crc != header.crc:
                 raise ChecksumMismatchError(
@@ -327,13 +329,6 @@ class ShmSender(StreamSender):
         record.cache["plan"] = plan
         record.cache["streaming"] = ntcopy.worth_streaming(len(dst_ids) * self.spec.bytes_per_block)
         return plan
-
-
-def _cached_ids(record: TransferRecord) -> np.ndarray:
-    ids = record.cache.get("dst_ids")
-    if not isinstance(ids, np.ndarray):
-        ids = record.cache["dst_ids"] = np.asarray(record.block_ids, dtype=np.int64)
-    return ids
 
 
 def list_segments() -> list[str]:

@@ -54,7 +54,7 @@ class StreamReceiver(TableReceiver):
     def __init__(
         self,
         spec: KVCacheSpec,
-        kv_cache: KVCache,
+        kv_cache: KVCache | None,
         *,
         model_id: str,
         release: ReleaseFn,
@@ -62,14 +62,19 @@ class StreamReceiver(TableReceiver):
         listener: socket.socket,
         epoch: int | None = None,
     ) -> None:
-        super().__init__(
-            spec, kv_cache, model_id=model_id, release=release, options=options, epoch=epoch
-        )
+        """Takes over `listener` (closed here if construction fails) and starts accepting."""
+        try:
+            super().__init__(
+                spec, kv_cache, model_id=model_id, release=release, options=options, epoch=epoch
+            )
+        except BaseException:
+            listener.close()
+            raise
         # [layers, 2, blocks, bytes_per_block]: byte rows of the whole cache (CPU backends)
         self._rows: np.ndarray | None = None
-        if kv_cache.flat.device.type == "cpu":
+        if self.kv_cache.flat.device.type == "cpu":
             self._rows = (
-                kv_cache.flat.view(torch.uint8)
+                self.kv_cache.flat.view(torch.uint8)
                 .reshape(spec.num_layers, 2, spec.num_blocks, -1)
                 .numpy()
             )
@@ -261,14 +266,8 @@ class StreamReceiver(TableReceiver):
         if record is None or record.peer is not conn:
             return
         if not record.state.is_terminal:
-            complete = (1 << self.spec.num_layers) - 1
-            if header.layer != self.spec.num_layers or record.layers_mask != complete:
-                missing = [
-                    i for i in range(self.spec.num_layers) if not record.layers_mask >> i & 1
-                ]
-                self._terminate(
-                    rid, TransferState.FAILED, KVTransferError(f"finished without layers {missing}")
-                )
+            if header.layer != self.spec.num_layers or not self._all_layers_landed(record):
+                self._terminate(rid, TransferState.FAILED, self._missing_layers_error(record))
                 return
             self._before_done(conn, record)
             self._table.finish(rid, TransferState.DONE)

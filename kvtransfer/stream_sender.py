@@ -29,7 +29,6 @@ import torch
 
 from engine.kv_cache import KVCacheSpec
 from kvtransfer.base import (
-    BlockIds,
     KVLayout,
     KVTransferError,
     PeerLostError,
@@ -43,15 +42,8 @@ from kvtransfer.base import (
     error_from_wire,
     error_to_wire,
 )
-from kvtransfer.blockcopy import as_id_array
-from kvtransfer.connections import (
-    ABORT_ITEM,
-    FINISH_ITEM,
-    LayerItem,
-    ReceiverConnection,
-    RejectedError,
-)
-from kvtransfer.core import TableSender
+from kvtransfer.connections import ABORT_ITEM, FINISH_ITEM, LayerItem, ReceiverConnection
+from kvtransfer.core import RejectedError, TableSender
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
 
@@ -67,7 +59,7 @@ class StreamSender(TableSender):
         *,
         model_id: str,
         release: ReleaseFn,
-        options: TransferOptions,
+        options: TransferOptions = TransferOptions(),
     ) -> None:
         super().__init__(spec, model_id=model_id, release=release, options=options)
         self.checksum = options.checksum
@@ -113,34 +105,15 @@ class StreamSender(TableSender):
 
     # -- interface -------------------------------------------------------------------------
 
-    def connect(self, ticket: Ticket, timeout_s: float) -> None:
-        record = self._record(ticket)
-        if record is None:  # refused on the spot (layout) or already ended
-            ended = self._table.require(ticket.request_id)
-            raise ended.error or KVTransferError(f"transfer is {ended.state.value}")
-        try:
-            conn = self._connection(ticket.endpoint, min(timeout_s, ticket.seconds_left()))
-            self._begin(conn, record, ticket)
-        except RejectedError as exc:
-            self._terminate(ticket.request_id, exc.state, exc.cause)
-            raise exc.cause from None
-        except KVTransferError as exc:
-            self._terminate(ticket.request_id, TransferState.FAILED, exc)
-            raise
+    def _bind_now(self, record: TransferRecord, ticket: Ticket, timeout_s: float) -> None:
+        """Called by `connect`: handshake (or reuse the connection), BEGIN, wait for ACCEPT."""
+        conn = self._connection(ticket.endpoint, min(timeout_s, ticket.seconds_left()))
+        self._begin(conn, record, ticket)
 
-    def send_layer(
-        self,
-        ticket: Ticket,
-        layer: int,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        src_block_ids: BlockIds,
-    ) -> None:
-        self._check_layer_args(ticket, layer, k_cache, v_cache, src_block_ids)
-        if self._record(ticket) is None:
-            return
-        item = LayerItem(ticket, layer, k_cache, v_cache, as_id_array(src_block_ids))
-        item.ready = self._item_ready(k_cache)
+    def _send_layer(self, record: TransferRecord, item: LayerItem) -> None:
+        """Called by `send_layer` on the caller's thread: queue the layer for the worker."""
+        assert item.k_cache is not None
+        item.ready = self._item_ready(item.k_cache)
         self._queue.put(item)
 
     def finish(self, ticket: Ticket) -> None:

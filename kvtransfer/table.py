@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvtransfer.base import (
     KVTransferError,
@@ -31,6 +32,8 @@ from kvtransfer.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
@@ -54,6 +57,16 @@ class TransferRecord:
     @property
     def num_layers_done(self) -> int:
         return self.layers_mask.bit_count()
+
+    def memo(self, key: str, kind: type[T], make: Callable[[], T]) -> T:
+        """`cache[key]` if it holds a `kind`, else `make()`, stored there for later layers.
+
+        Called by backends on a transfer's layers; freed with the record.
+        """
+        value = self.cache.get(key)
+        if not isinstance(value, kind):
+            value = self.cache[key] = make()
+        return value
 
 
 class TransferTable:

@@ -47,6 +47,15 @@ def listen_tcp(host: str, port: int) -> socket.socket:
     return listener
 
 
+def listen_advertised(
+    host: str, port: int, advertise_host: str | None
+) -> tuple[socket.socket, tuple[str, int]]:
+    """Called by the tcp and nccl receivers: their listener and the `(host, port)` tickets
+    name (`advertise_host` or `host`, and the port actually bound)."""
+    listener = listen_tcp(host, port)
+    return listener, (advertise_host or host, listener.getsockname()[1])
+
+
 def connect_tcp(endpoint: str, timeout_s: float, scheme: str = "tcp") -> socket.socket:
     host, port = parse_endpoint(endpoint, scheme)
     return socket.create_connection((host, port), timeout=timeout_s)
@@ -70,21 +79,16 @@ class TcpReceiver(StreamReceiver):
         advertise_host: str | None = None,
         epoch: int | None = None,
     ) -> None:
-        listener = listen_tcp(host, port)
-        self._advertised = (advertise_host or host, listener.getsockname()[1])
-        try:
-            super().__init__(
-                spec,
-                kv_cache if kv_cache is not None else KVCache.allocate(spec),
-                model_id=model_id,
-                release=release,
-                options=options,
-                listener=listener,
-                epoch=epoch,
-            )
-        except BaseException:
-            listener.close()
-            raise
+        listener, self._advertised = listen_advertised(host, port, advertise_host)
+        super().__init__(
+            spec,
+            kv_cache,
+            model_id=model_id,
+            release=release,
+            options=options,
+            listener=listener,
+            epoch=epoch,
+        )
 
     @property
     def endpoint(self) -> str:
@@ -100,15 +104,13 @@ class TcpReceiver(StreamReceiver):
         if header.nbytes != expected:
             conn.fs.discard(header.nbytes)
             raise KVTransferError(f"layer payload of {header.nbytes} bytes, expected {expected}")
-        runs = record.cache.get("runs")
-        if not isinstance(runs, list):
-            runs = record.cache["runs"] = _id_runs(record.block_ids)
+        runs = record.memo("runs", list, lambda: _id_runs(record.block_ids))
         layer = header.layer
         with record.write_lock:
             if record.state.is_terminal:
                 conn.fs.discard(expected)
                 return
-            views = _run_views(self._rows[layer, 0], runs) + _run_views(self._rows[layer, 1], runs)
+            views = _layer_views(self._rows[layer, 0], self._rows[layer, 1], runs)
             conn.fs.recv_views(views)
             if header.has_crc:
                 crc = _crc(views)
@@ -124,16 +126,6 @@ class TcpSender(StreamSender):
 
     backend = "tcp"
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        *,
-        model_id: str,
-        release: ReleaseFn,
-        options: TransferOptions = TransferOptions(),
-    ) -> None:
-        super().__init__(spec, model_id=model_id, release=release, options=options)
-
     def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
         return connect_tcp(endpoint, timeout_s)
 
@@ -141,11 +133,9 @@ class TcpSender(StreamSender):
         self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
     ) -> None:
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
-        runs = record.cache.get("runs")
-        if not isinstance(runs, list):
-            runs = record.cache["runs"] = _id_runs(item.src_ids)
-        k_rows, v_rows = block_rows(item.k_cache), block_rows(item.v_cache)
-        parts = _run_views(k_rows, runs) + _run_views(v_rows, runs)
+        src_ids = item.src_ids
+        runs = record.memo("runs", list, lambda: _id_runs(src_ids))
+        parts = _layer_views(block_rows(item.k_cache), block_rows(item.v_cache), runs)
         crc = _crc(parts) if self.checksum else None
         if item.layer in self.corrupt_layers:  # test hook: damage a copy, never the cache
             damaged = bytearray(b"".join(parts))
@@ -167,6 +157,13 @@ def _id_runs(block_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
     """Runs of consecutive block ids as `(first id, length)`, in order."""
     ids = np.asarray(block_ids, dtype=np.int64)
     return [(int(ids[i]), k) for i, k in contiguous_runs(ids)]
+
+
+def _layer_views(
+    k_rows: np.ndarray, v_rows: np.ndarray, runs: list[tuple[int, int]]
+) -> list[memoryview]:
+    """A layer's payload in wire order: the K views of `_run_views`, then the V views."""
+    return _run_views(k_rows, runs) + _run_views(v_rows, runs)
 
 
 def _run_views(rows: np.ndarray, runs: list[tuple[int, int]]) -> list[memoryview]:
