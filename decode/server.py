@@ -137,7 +137,11 @@ class DecodeServer:
             )
             response = self.prefill_pools[spec.prefill_pool].prefill.remote(prefill_request, ticket)
             try:
-                result: PrefillResult = await response
+                # Bounded by the ticket's deadline: a prefill pool with no live replica
+                # must not hang the request (Serve would queue the call indefinitely).
+                result: PrefillResult = await asyncio.wait_for(
+                    _resolve(response), timeout=max(ticket.seconds_left(), 0.0) + 1.0
+                )
                 state = self.receiver.poll(transfer_id)
                 if not state.is_terminal:
                     state = await asyncio.to_thread(self.receiver.wait, transfer_id, 5.0)
@@ -153,6 +157,7 @@ class DecodeServer:
                 logger.warning("remote prefill attempt %s failed: %r", transfer_id, exc)
                 self.replica.counters["prefill_failures"] += 1
                 self._give_up(rid, transfer_id)
+                _cancel(response)
                 await self.loop.call_async(lambda: self.engine.kv_failed(rid))
                 continue
             self._active_transfer.pop(rid, None)
@@ -211,6 +216,10 @@ class DecodeServer:
         # Ray Serve calls __del__ when it stops a replica; free shm and threads then.
         with contextlib.suppress(Exception):
             self.shutdown()
+
+
+async def _resolve(response: Any) -> Any:
+    return await response
 
 
 def _cancel(response: Any) -> None:

@@ -26,9 +26,10 @@ PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "t
 class InProcessHandle:
     """Calls a server's coroutine methods like `handle.method.remote(...)` would."""
 
-    def __init__(self, server: object, fail_times: int = 0) -> None:
+    def __init__(self, server: object, fail_times: int = 0, hang: bool = False) -> None:
         self._server = server
         self.fail_times = fail_times
+        self.hang = hang  # a pool whose replicas never answer (all dead, none restarting)
         self.calls = 0
 
     @property
@@ -37,9 +38,13 @@ class InProcessHandle:
 
     def remote(self, *args: object) -> asyncio.Future:
         self.calls += 1
+        if self.hang:
+            return asyncio.get_running_loop().create_future()  # never resolves
         if self.calls <= self.fail_times:
+
             async def dead() -> None:
                 raise ConnectionError("prefill replica died")
+
             return asyncio.ensure_future(dead())
         return asyncio.ensure_future(self._server.prefill(*args))  # type: ignore[attr-defined]
 
@@ -145,3 +150,20 @@ def test_client_disconnect_frees_both_pools(servers) -> None:
 
     asyncio.run(run())
     wait_all_free(prefill, decode)
+
+
+def test_unresponsive_prefill_pool_times_out_then_prefills_locally(model_dir, expected) -> None:
+    config = EngineConfig(model_dir=str(model_dir))
+    prefill = PrefillServer(config, backend="local")
+    handle = InProcessHandle(prefill, hang=True)
+    decode = DecodeServer(config, backend="local", prefill_pools={"p": handle}, deadline_s=0.5)
+    try:
+        start = time.monotonic()
+        assert asyncio.run(collect(decode, spec_for(decode, 0, PROMPTS[0]))) == expected[0]
+        assert time.monotonic() - start < 30
+        counters = decode.stats()["counters"]
+        assert counters["prefill_failures"] == 2 and counters["local_prefill_fallback"] == 1
+        wait_all_free(prefill, decode)
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
