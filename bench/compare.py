@@ -9,12 +9,14 @@ config): `--configs cpu-disagg,cpu-colocated` gives disagg / colocated. Goodput 
 reported per core (goodput / `--num-cpus`; both configs use the same cores, so the ratio is
 the same either way).
 
-SLOs: given with `--slo-ttft/--slo-tpot` (ms), or derived from the baseline's isolated
-requests: TTFT SLO = `--k-ttft` x the worst class's isolated TTFT (the longest prompt), TPOT SLO
-= `--k-tpot` x the best class's isolated TPOT (batch-1 decode). The JSON records the choice.
+SLOs: given with `--slo-ttft/--slo-tpot` (ms), or (each one not given) derived from the
+baseline's isolated requests: TTFT SLO = `--k-ttft` (3) x the worst class's isolated TTFT (the
+longest prompt), TPOT SLO = `--k-tpot` (1.5, tight) x the best class's isolated TPOT (batch-1
+decode). The JSON records the SLOs and how they were chosen.
 
 PNG plots beside the JSON (or in `--plots-dir`): attainment vs rate, and TTFT, TPOT and ITL
-CDFs at a common rate (the highest rate both ran at which the baseline still met the target).
+CDFs at a common rate (`--cdf-rate`, or the highest rate all configs ran at which at least one
+still met the target). `--replot` redraws the plots of an existing `--json` without running.
 
     pdserve bench compare --configs cpu-disagg,cpu-colocated --model small --workload mixed \
         --rates 0.1,0.2,0.3,0.4 --duration 45 --json docs/bench/compare.json
@@ -93,15 +95,13 @@ def derive_slo(isolated: dict[str, Any], k_ttft: float, k_tpot: float) -> tuple[
     return slo, how
 
 
-def common_rate(points: dict[str, list[dict[str, Any]]], baseline: str, target: float) -> float:
-    """Highest rate every config ran at which the baseline met the target (else the lowest
-    common rate, else the baseline's lowest rate)."""
-    rate_sets = [{p["rate"] for p in pts} for pts in points.values()]
-    shared = sorted(set.intersection(*rate_sets)) if rate_sets else []
+def common_rate(points: dict[str, list[dict[str, Any]]], target: float) -> float:
+    """The rate the CDFs compare at: the highest rate every config ran at which at least one
+    config still met the target (where the configs differ), else the lowest common rate."""
+    shared = sorted(set.intersection(*({p["rate"] for p in pts} for pts in points.values())))
     if not shared:
-        return min(p["rate"] for p in points[baseline])
-    passing = [p["rate"] for p in points[baseline] if p["rate"] in shared]
-    passing = [r for r in passing if _attainment(points[baseline], r) >= target]
+        return min(p["rate"] for pts in points.values() for p in pts)
+    passing = [r for r in shared if any(_attainment(pts, r) >= target for pts in points.values())]
     return max(passing) if passing else shared[0]
 
 
@@ -171,10 +171,23 @@ def _save(fig: Any, path: Path) -> str:
     return str(path)
 
 
+def replot(path: Path, plots_dir: Path | None, cdf_rate: float | None) -> int:
+    """Redraw the plots of a saved comparison (optionally at another CDF rate)."""
+    document = json.loads(path.read_text())
+    points = {name: config["points"] for name, config in document["configs"].items()}
+    document["common_rate"] = cdf_rate or common_rate(points, document["target"])
+    stem = path.with_suffix("").name
+    document["plots"] = plot(document, points, plots_dir or path.parent, stem)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in document.items() if k != "configs"}))
+    return 0
+
+
 def run_config(
-    name: str, args: argparse.Namespace, slo: SLO | None
+    name: str, args: argparse.Namespace, slo: SLO
 ) -> tuple[dict[str, Any], SLO, str | None]:
-    """Deploy one config, measure isolated requests, derive SLOs if `slo` is None, sweep."""
+    """Deploy one config, measure isolated requests, derive the SLOs `slo` leaves unset, and
+    sweep; returns the config's results, the SLOs used, and how they were derived (if so)."""
     config_args = app_args(name, args.model, args.dtype, free_port())
     print(f"== {name}: starting", file=sys.stderr)
     how = None
@@ -182,8 +195,14 @@ def run_config(
         target = Target(app.base_url, app.model_name, timeout_s=args.timeout)
         isolated = measure_isolated(target, args)
         print(json.dumps({"config": name, "isolated": isolated}), file=sys.stderr)
-        if slo is None:
-            slo, how = derive_slo(isolated, args.k_ttft, args.k_tpot)
+        if slo.ttft_ms is None or slo.tpot_ms is None:
+            derived, how = derive_slo(isolated, args.k_ttft, args.k_tpot)
+            if slo.ttft_ms is not None or slo.tpot_ms is not None:
+                how += "; the SLO given on the command line replaces its derived value"
+            slo = SLO(
+                slo.ttft_ms if slo.ttft_ms is not None else derived.ttft_ms,
+                slo.tpot_ms if slo.tpot_ms is not None else derived.tpot_ms,
+            )
         runner = point_runner(
             target,
             lambda rate: requests_from_args(args, rate, args.duration),
@@ -214,35 +233,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--configs", default="cpu-disagg,cpu-colocated", help="last = baseline")
     parser.add_argument("--model", default="small", help="model dir or built-in name")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--num-cpus", type=float, default=2, help="CPUs of each Ray instance")
+    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of each Ray instance")
     parser.add_argument("--slo-ttft", type=float, default=None, help="ms; default: derived")
     parser.add_argument("--slo-tpot", type=float, default=None, help="ms; default: derived")
     parser.add_argument("--k-ttft", type=float, default=3.0, help="derived TTFT SLO factor")
-    parser.add_argument("--k-tpot", type=float, default=2.0, help="derived TPOT SLO factor")
+    parser.add_argument("--k-tpot", type=float, default=1.5, help="derived TPOT SLO factor")
     parser.add_argument("--isolated-repeats", type=int, default=2, help="isolated runs/class")
     parser.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", type=Path, required=True, help="write the result here")
     parser.add_argument("--plots-dir", type=Path, default=None, help="default: beside --json")
+    parser.add_argument("--cdf-rate", type=float, default=None, help="rate of the CDF plots")
+    parser.add_argument("--replot", action="store_true", help="only redraw --json's plots")
     add_sweep_args(parser)
     add_workload_args(parser)
     args = parser.parse_args(argv)
     if args.workload == "trace":
         parser.error("compare sweeps a rate; use --workload fixed or mixed")
+    if args.replot:
+        return replot(args.json, args.plots_dir, args.cdf_rate)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if len(names) < 2:
         parser.error("--configs needs at least two configs")
     baseline = names[-1]
 
-    given = args.slo_ttft is not None and args.slo_tpot is not None
-    slo: SLO | None = SLO(args.slo_ttft, args.slo_tpot) if given else None
-    how = "given on the command line" if given else None
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    how: str | None = "given on the command line"
     configs: dict[str, Any] = {}
     for name in [baseline, *names[:-1]]:  # the baseline first: it may set the SLOs
         configs[name], slo, derived = run_config(name, args, slo)
-        how = how or derived
-    assert slo is not None
+        how = derived or how
     points = {name: configs[name]["points"] for name in names}
     goodput = {name: configs[name]["goodput"]["goodput"] for name in names}
     result: dict[str, Any] = {
@@ -256,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goodput": goodput,
         "goodput_per_core": {n: configs[n]["goodput"]["goodput_per_unit"] for n in names},
         "ratio": goodput[names[0]] / goodput[baseline] if goodput[baseline] else None,
-        "common_rate": common_rate(points, baseline, args.target),
+        "common_rate": args.cdf_rate or common_rate(points, args.target),
     }
     stem = args.json.with_suffix("").name
     result["plots"] = plot(result, points, args.plots_dir or args.json.parent, stem)

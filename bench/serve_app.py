@@ -104,7 +104,7 @@ def _healthy(url: str) -> bool:
 
 @contextlib.contextmanager
 def running_app(
-    args: dict[str, Any], num_cpus: float = 2, startup_timeout_s: float = STARTUP_TIMEOUT_S
+    args: dict[str, Any], num_cpus: int = 2, startup_timeout_s: float = STARTUP_TIMEOUT_S
 ) -> Iterator[RunningApp]:
     """Deploy `args` on a fresh local Ray instance; tear it all down on exit."""
     import ray
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="override args.model.model")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--num-cpus", type=float, default=2)
+    parser.add_argument("--num-cpus", type=int, default=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     app = app_args(args.config, args.model, args.dtype, args.port)

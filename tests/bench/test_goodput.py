@@ -101,14 +101,17 @@ def points(rates: list[float], values: list[float]) -> list[dict[str, Any]]:
     return [{"rate": r, "attainment": a, "records": []} for r, a in zip(rates, values, strict=True)]
 
 
-def test_common_rate_prefers_highest_passing_baseline_rate() -> None:
+def test_common_rate_is_where_the_configs_differ() -> None:
     pts = {
-        "disagg": points([1, 2, 3], [1.0, 1.0, 0.95]),
-        "colocated": points([1, 2, 3], [1.0, 0.92, 0.4]),
+        "disagg": points([1, 2, 3, 4], [1.0, 1.0, 0.95, 0.5]),
+        "colocated": points([1, 2, 3, 4], [1.0, 0.92, 0.4, 0.3]),
     }
-    assert common_rate(pts, "colocated", 0.9) == 2
-    pts["colocated"] = points([1, 2, 3], [0.5, 0.4, 0.3])
-    assert common_rate(pts, "colocated", 0.9) == 1
+    assert common_rate(pts, 0.9) == 3  # the highest rate some config still passes
+    pts["disagg"] = points([1, 2, 3, 4], [0.5, 0.4, 0.3, 0.2])
+    pts["colocated"] = points([1, 2, 3, 4], [0.5, 0.4, 0.3, 0.2])
+    assert common_rate(pts, 0.9) == 1  # nobody passes: the lowest common rate
+    pts["colocated"] = points([5], [1.0])
+    assert common_rate(pts, 0.9) == 1  # no common rate: the lowest of all
 
 
 def test_plots_are_written(tmp_path: Path) -> None:
