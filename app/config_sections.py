@@ -1,0 +1,260 @@
+"""The sections of the application's configuration: model, pools, transfer, tenants, limits.
+
+Each is a strict pydantic model (unknown keys are errors) with a description on every field;
+`app/config.py` assembles them into `PDServeConfig` and runs the cross-section checks.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import PurePath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
+_RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+
+
+class ConfigError(ValueError):
+    """A configuration file cannot be read or does not have the expected shape."""
+
+
+class _Strict(BaseModel):
+    """Base of every config model: unknown keys (typos) are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSettings(_Strict):
+    """The model and the engine settings shared by every replica of every pool."""
+
+    model: str = Field(
+        default="tiny",
+        min_length=1,
+        description="A local Hugging Face model directory, or a built-in name: tiny, small.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="Name clients send as 'model'; default 'pdserve-' + model basename.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="Weight and KV dtype; None = the checkpoint's own."
+    )
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where replicas compute.")
+    block_size: int = Field(
+        default=16, description="Tokens per KV block (a power of two in 1..128)."
+    )
+    kv_cache_bytes: int = Field(
+        default=256 * 1024**2, gt=0, description="KV-cache budget of one replica, in bytes."
+    )
+    max_num_batched_tokens: int = Field(
+        default=2048, gt=0, description="Token budget of one engine step."
+    )
+    max_num_seqs: int = Field(default=64, gt=0, description="Requests running at once per replica.")
+    long_prefill_token_threshold: int = Field(
+        default=512, gt=0, description="Largest prefill chunk of one prompt per step."
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse KV of shared prompt prefixes."
+    )
+    num_threads: int | None = Field(default=None, ge=1, description="Torch threads per replica.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSettings:
+        if not 1 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in 1..128, got {self.block_size}")
+        if self.long_prefill_token_threshold > self.max_num_batched_tokens:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be "
+                f"<= max_num_batched_tokens ({self.max_num_batched_tokens}): a prefill chunk "
+                "has to fit in one step's token budget"
+            )
+        if self.served_model_name is None:
+            self.served_model_name = "pdserve-" + PurePath(self.model.rstrip("/")).name
+        return self
+
+    def to_engine_config(self) -> EngineConfig:
+        """The frozen engine config every replica builds its `Engine` from."""
+        return EngineConfig(
+            model_dir=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_bytes=self.kv_cache_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+            ),
+            num_threads=self.num_threads,
+        )
+
+
+class AutoscalingSettings(_Strict):
+    """Serve autoscaling of one pool (replaces a fixed `num_replicas`)."""
+
+    min_replicas: int = Field(default=1, ge=1, description="Replicas kept at all times.")
+    max_replicas: int = Field(default=1, ge=1, description="Most replicas scaled up to.")
+    target_ongoing_requests: float = Field(
+        default=8.0, gt=0, description="Ongoing requests per replica the autoscaler aims for."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AutoscalingSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})"
+            )
+        return self
+
+
+class PoolConfig(_Strict):
+    """One Serve deployment of prefill or decode replicas.
+
+    Replica count: give `num_replicas` or `autoscaling`, not both; with neither, the pool
+    has one fixed replica. After validation exactly one of the two is set.
+    """
+
+    name: str = Field(
+        pattern=_NAME_PATTERN,
+        description="Unique pool name: a letter, then letters, digits, _ or -.",
+    )
+    role: Literal["prefill", "decode"] = Field(description="What the pool's replicas run.")
+    num_replicas: int | None = Field(
+        default=None, ge=1, description="Fixed replica count (default 1)."
+    )
+    autoscaling: AutoscalingSettings | None = Field(
+        default=None, description="Autoscale instead of num_replicas."
+    )
+    num_cpus: float = Field(default=1.0, gt=0, description="CPUs reserved per replica.")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved per replica.")
+    resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description='Custom Ray resources per replica: {"h200_prefill": 1}.'
+    )
+    min_context_tokens: int | None = Field(
+        default=None, ge=1, description="Prefill only: shortest prompt served (default 1)."
+    )
+    max_context_tokens: int | None = Field(
+        default=None, ge=1, description="Prefill only: longest prompt served (default unbounded)."
+    )
+    max_ongoing_requests: int = Field(
+        default=64,
+        ge=1,
+        description="Requests Serve sends one replica at once (Serve's own limit).",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for key in _RESERVED_RESOURCES.intersection(value):
+            raise ValueError(f"resource {key!r} is set by num_cpus/num_gpus, not resources")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolConfig:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError(f"pool {self.name!r}: set num_replicas or autoscaling, not both")
+        if self.num_replicas is None and self.autoscaling is None:
+            self.num_replicas = 1
+        has_range = self.min_context_tokens is not None or self.max_context_tokens is not None
+        if self.role == "decode" and has_range:
+            raise ValueError(
+                f"decode pool {self.name!r}: min_context_tokens/max_context_tokens apply to "
+                "prefill pools only"
+            )
+        if self.context_range[0] > self.context_range[1]:
+            raise ValueError(
+                f"pool {self.name!r}: min_context_tokens ({self.min_context_tokens}) > "
+                f"max_context_tokens ({self.max_context_tokens})"
+            )
+        return self
+
+    @property
+    def context_range(self) -> tuple[int | float, int | float]:
+        """Inclusive prompt-length range this prefill pool serves (upper bound may be inf)."""
+        low = self.min_context_tokens if self.min_context_tokens is not None else 1
+        high = self.max_context_tokens if self.max_context_tokens is not None else math.inf
+        return low, high
+
+    @property
+    def max_num_replicas(self) -> int:
+        """The most replicas the pool can have (fixed count, or autoscaling maximum)."""
+        if self.autoscaling is not None:
+            return self.autoscaling.max_replicas
+        assert self.num_replicas is not None
+        return self.num_replicas
+
+    def serve_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options(...)` of this pool's deployment."""
+        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        options: dict[str, Any] = {
+            "name": self.name,
+            "ray_actor_options": {**actor, "resources": dict(self.resources)},
+            "max_ongoing_requests": self.max_ongoing_requests,
+        }
+        if self.autoscaling is not None:
+            return {**options, "autoscaling_config": self.autoscaling.model_dump()}
+        return {**options, "num_replicas": self.num_replicas}
+
+
+class TransferSettings(_Strict):
+    """How KV blocks move from prefill to decode replicas."""
+
+    backend: Literal["shm", "tcp", "nccl", "local"] = Field(
+        default="shm",
+        description="shm: same host; tcp: across hosts; nccl: GPU; local: in-process.",
+    )
+    deadline_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a decode replica waits for a request's KV before failing it.",
+    )
+    checksum: bool = Field(default=False, description="Checksum blocks to detect corruption.")
+
+
+class TenantConfig(_Strict):
+    """A client organisation: its API keys, the pools it may use, and its priority."""
+
+    name: str = Field(pattern=_NAME_PATTERN, description="Unique tenant name.")
+    api_keys: list[str] = Field(
+        min_length=1, description="The tenant's API keys (unique across tenants)."
+    )
+    allowed_pools: list[str] = Field(
+        default_factory=list, description="Pool names the tenant may use; empty = all pools."
+    )
+    priority: int = Field(default=0, description="Scheduling priority; lower = more important.")
+    max_concurrent_requests: int | None = Field(
+        default=None, ge=1, description="Quota of in-flight requests; None = unlimited."
+    )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, value: list[str]) -> list[str]:
+        if any(not key or key != key.strip() for key in value):
+            raise ValueError("api_keys must be non-empty and have no surrounding whitespace")
+        if len(set(value)) != len(value):
+            raise ValueError("api_keys must not repeat")
+        return value
+
+
+class LimitSettings(_Strict):
+    """Request size limits enforced at the ingress."""
+
+    max_prompt_tokens: int = Field(default=4096, ge=1, description="Longest prompt, in tokens.")
+    max_output_tokens: int = Field(default=1024, ge=1, description="Largest max_tokens allowed.")
+    max_body_bytes: int = Field(
+        default=1024**2, ge=1, description="Largest HTTP request body, bytes."
+    )
+
+
+class HttpSettings(_Strict):
+    """Where the HTTP proxy listens (keep equal to the Serve file's `http_options`)."""
+
+    host: str = Field(default="127.0.0.1", min_length=1, description="Listen address.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Listen port.")
