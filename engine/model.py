@@ -90,6 +90,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+class Linear(nn.Module):
+    """`y = x @ W^T + b` with W stored transposed (`weight_t`: `[in, out]`, contiguous).
+
+    Same math as `nn.Linear`, other layout: on the CPU, MKL's GEMM for the few-row inputs
+    of a decode step (e.g. 16 rows) runs 4-5x faster on `[in, out]` weights than on
+    `nn.Linear`'s `[out, in]`, and as fast for prefill-sized inputs.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [.., out]
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 def has_o_proj_bias(config: ModelConfig) -> bool:
     """Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not."""
     return config.attention_bias and config.architecture != "qwen2"
@@ -104,10 +123,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=has_o_proj_bias(config))
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=has_o_proj_bias(config))
 
     def forward(
         self,
@@ -132,12 +151,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -175,11 +192,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        # Tied or not, the output projection gets its own transposed copy (see `Linear`).
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config, dtype)
 
     @torch.inference_mode()
@@ -201,8 +215,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)  # [num_rows, vocab]
+        return self.lm_head(hidden)  # [num_rows, vocab]
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights, fusing q/k/v and gate/up. Missing or extra
@@ -227,26 +240,28 @@ class CausalLM(nn.Module):
                 param.copy_(value)
             loaded.add(name)
 
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        embed = take("model.embed_tokens.weight")
+        put("embed_tokens.weight", embed)
         put("norm.weight", take("model.norm.weight"))
-        if self.lm_head is not None:
-            put("lm_head.weight", take("lm_head.weight"))
-        else:
+        if self.config.tie_word_embeddings:
             remaining.pop("lm_head.weight", None)
+            put("lm_head.weight_t", embed.t())
+        else:
+            put("lm_head.weight_t", take("lm_head.weight").t())
         for i in range(self.config.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn, mlp = src + "self_attn.", src + "mlp."
             qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-            put(dst + "self_attn.qkv_proj.weight", torch.cat(qkv))
+            put(dst + "self_attn.qkv_proj.weight_t", torch.cat(qkv).t())
             if self.config.attention_bias:
                 bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
                 put(dst + "self_attn.qkv_proj.bias", torch.cat(bias))
-            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+            put(dst + "self_attn.o_proj.weight_t", take(attn + "o_proj.weight").t())
             if has_o_proj_bias(self.config):
                 put(dst + "self_attn.o_proj.bias", take(attn + "o_proj.bias"))
             gate_up = [take(f"{mlp}{p}_proj.weight") for p in ("gate", "up")]
-            put(dst + "mlp.gate_up_proj.weight", torch.cat(gate_up))
-            put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+            put(dst + "mlp.gate_up_proj.weight_t", torch.cat(gate_up).t())
+            put(dst + "mlp.down_proj.weight_t", take(mlp + "down_proj.weight").t())
             if self.config.mlp_bias:
                 bias = [take(f"{mlp}{p}_proj.bias") for p in ("gate", "up")]
                 put(dst + "mlp.gate_up_proj.bias", torch.cat(bias))
