@@ -2,8 +2,11 @@
 
 Both in one run, same model, prompt and torch thread count: first the bare engine (one
 request, decode steps timed), then the disaggregated Serve app (1 prefill + 1 decode
-replica, shm transfer) streamed through the official `openai` client. `ratio` is the
-mean HTTP ITL over the mean bare decode step. The last stdout line is one JSON object.
+replica, shm transfer) streamed through the official `openai` client. HTTP ITL is per
+token: first to last streamed chunk over the tokens between them (a chunk can carry several
+tokens, since a byte-level model's partial UTF-8 characters are held back until they
+decode; `http_chunk_gap_ms` is the gap between chunks). `ratio` is HTTP ITL over the bare
+decode step. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def http_itl_ms(
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         name = client.models.list().data[0].id
 
-        def one() -> tuple[float, list[float]]:
+        def one() -> tuple[float, list[float], float]:
+            """TTFT, gaps between text chunks, and per-token ITL (first to last chunk over
+            the tokens between them). Chunks can hold several tokens: a byte-level model's
+            partial UTF-8 characters are held back until they decode."""
             start = time.perf_counter()
             stream = client.completions.create(
                 model=name,
@@ -69,21 +75,34 @@ def http_itl_ms(
                 max_tokens=output_len,
                 temperature=0,
                 stream=True,
+                stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             )
-            arrivals = [time.perf_counter() for chunk in stream if chunk.choices]
+            arrivals, num_tokens = [], 0
+            for chunk in stream:
+                if chunk.choices:
+                    arrivals.append(time.perf_counter())
+                if chunk.usage is not None:
+                    num_tokens = chunk.usage.completion_tokens
             gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-            return arrivals[0] - start, gaps
+            per_token = (arrivals[-1] - arrivals[0]) / max(num_tokens - 1, 1)
+            return arrivals[0] - start, gaps, per_token
 
         one()  # warm up
-        ttfts, gaps = [], []
+        ttfts, gaps, per_token = [], [], []
         for _ in tqdm(range(3), desc="http", file=sys.stderr):
-            ttft, g = one()
+            ttft, g, itl = one()
             ttfts.append(ttft)
             gaps.extend(g)
+            per_token.append(itl)
+        import httpx
+
+        pools = httpx.get(f"http://127.0.0.1:{port}/v1/pdserve/stats").json()["pools"]
         return {
-            "itl_ms": statistics.mean(gaps) * 1000,
-            "itl_p50_ms": statistics.median(gaps) * 1000,
+            "replica_step_ms": pools["decode"]["mean_step_ms"],
+            "replica_interval_ms": pools["decode"]["mean_step_interval_ms"],
+            "itl_ms": statistics.mean(per_token) * 1000,
+            "chunk_gap_ms": statistics.mean(gaps) * 1000,
             "ttft_ms": statistics.mean(ttfts) * 1000,
         }
     finally:
@@ -116,8 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "threads": args.threads,
                 "engine_step_ms": round(bare, 3),
                 "http_itl_ms": round(http["itl_ms"], 3),
-                "http_itl_p50_ms": round(http["itl_p50_ms"], 3),
+                "http_chunk_gap_ms": round(http["chunk_gap_ms"], 3),
                 "http_ttft_ms": round(http["ttft_ms"], 3),
+                # the decode replica's own mean step inside Serve: separates slower steps (CPU or
+                # GIL contention in the replica) from time spent between steps (streaming hops)
+                "serve_replica_step_ms": round(http["replica_step_ms"], 3),
+                "serve_replica_step_interval_ms": round(http["replica_interval_ms"], 3),
                 "ratio": round(http["itl_ms"] / bare, 3),
             }
         )

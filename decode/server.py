@@ -199,9 +199,9 @@ class DecodeServer:
     def stats(self) -> dict[str, Any]:
         return {"pool": self.pool, **self.replica.stats()}
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve polls this; our replica router reads it."""
-        return self.replica.routing_stats()
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve polls this; our replica router reads it. Never blocks the event loop."""
+        return await self.replica.routing_stats()
 
     def check_health(self) -> None:
         if not self.loop.is_alive:

@@ -11,7 +11,9 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -21,6 +23,7 @@ from engine.request import Request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(RuntimeError):
@@ -39,6 +42,10 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        # A step holds the GIL for most of its Python-level dispatch; a short switch interval
+        # lets the replica's event loop (which streams tokens out) run between torch ops.
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -134,6 +141,9 @@ class AsyncEngine:
                     continue
                 for delta in self.engine.step(self.layer_hook_for):
                     self.publish(delta)
+                # Hand the GIL over once per step: the serving thread must stream the deltas
+                # out; otherwise it only gets the GIL at forced switches while steps run.
+                time.sleep(0)
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear about it
             logger.exception("engine loop died")
             self._stopped = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -70,6 +71,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # (start, seconds) of recent steps: stats, and where ITL overhead comes from
+        self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
 
     @classmethod
     def from_model(cls, model: str | None = None, **overrides: object) -> Engine:
@@ -185,9 +188,11 @@ class Engine:
         `layer_hook_for(output)` may return a hook called after each layer's K/V of this
         step are in the cache (the prefill pool streams KV out from there).
         """
+        start = time.perf_counter()
         output = self.scheduler.schedule()
         layer_hook = layer_hook_for(output) if layer_hook_for and not output.is_empty else None
         sampled = self.runner.execute(output, layer_hook)
+        self.step_times.append((start, time.perf_counter() - start))
         before = {rid: self.scheduler.requests.get(rid) for rid in sampled}
         finished = {r.request_id for r in self.scheduler.update_from_output(output, sampled)}
         deltas = []

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from engine.async_engine import AsyncEngine
@@ -25,6 +26,20 @@ def kv_spec_for(config: EngineConfig, model_dir: str) -> KVCacheSpec:
     return KVCacheSpec.for_model(
         model_config, config.cache.block_size, config.cache.kv_cache_bytes, model_config.dtype
     )
+
+
+def _step_ms(step_times: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Mean step duration, and mean time from one step's start to the next one's when the
+    steps ran back to back (the difference is time the loop spent outside steps)."""
+    if not step_times:
+        return {"mean_step_ms": 0.0, "mean_step_interval_ms": 0.0}
+    durations = [seconds for _, seconds in step_times]
+    starts = [start for start, _ in step_times]
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False) if b - a < 1.0]
+    return {
+        "mean_step_ms": 1000 * sum(durations) / len(durations),
+        "mean_step_interval_ms": 1000 * sum(gaps) / len(gaps) if gaps else 0.0,
+    }
 
 
 def model_id_for(model_config: ModelConfig, model_dir: str) -> str:
@@ -55,22 +70,27 @@ class EngineReplica:
 
     def kv_stats(self) -> dict[str, Any]:
         """Block pool occupancy; read on the engine thread so the numbers are consistent."""
+        return self.loop.call(self._read_kv_stats).result(timeout=30)
 
-        def read() -> dict[str, Any]:
-            scheduler = self.engine.scheduler
-            return {
-                "num_blocks": self.engine.kv_spec.num_blocks,
-                "num_free_blocks": self.engine.kv_manager.num_free_blocks,
-                "num_running": len(scheduler.running),
-                "num_waiting": len(scheduler.waiting),
-                "num_waiting_for_kv": len(scheduler.waiting_for_kv),
-                "num_held": len(scheduler.held),
-                "num_preemptions": scheduler.num_preemptions,
-                "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
-                + sum(r.num_uncomputed_tokens for r in scheduler.running),
-            }
+    async def kv_stats_async(self) -> dict[str, Any]:
+        """`kv_stats` without blocking the caller's event loop."""
+        return await self.loop.call_async(self._read_kv_stats)
 
-        return self.loop.call(read).result(timeout=30)
+    def _read_kv_stats(self) -> dict[str, Any]:
+        """Engine thread only."""
+        scheduler = self.engine.scheduler
+        return {
+            "num_blocks": self.engine.kv_spec.num_blocks,
+            "num_free_blocks": self.engine.kv_manager.num_free_blocks,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_waiting_for_kv": len(scheduler.waiting_for_kv),
+            "num_held": len(scheduler.held),
+            "num_preemptions": scheduler.num_preemptions,
+            **_step_ms(list(self.engine.step_times)),
+            "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
+            + sum(r.num_uncomputed_tokens for r in scheduler.running),
+        }
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -80,9 +100,9 @@ class EngineReplica:
             "counters": dict(self.counters),
         }
 
-    def routing_stats(self) -> dict[str, Any]:
+    async def routing_stats(self) -> dict[str, Any]:
         """What the replica-choosing router reads (`record_routing_stats` in Serve)."""
-        kv = self.kv_stats()
+        kv = await self.kv_stats_async()
         return {
             "queued_tokens": kv["queued_tokens"],
             "num_free_blocks": kv["num_free_blocks"],
