@@ -43,35 +43,9 @@ def _check_paged_attention(
         raise ValueError(f"query on {query.device}, cache on {k_cache.device}")
     if metadata.block_size != block_size:
         raise ValueError(f"metadata.block_size={metadata.block_size} != cache's {block_size}")
-    num_seqs = metadata.num_seqs
-    if len(metadata.query_lens_list) != num_seqs:
-        raise ValueError(
-            f"metadata has {len(metadata.query_lens_list)} query lens for {num_seqs} seqs"
-        )
-    if sum(metadata.query_lens_list) != query.shape[0]:
-        raise ValueError(
-            f"query has {query.shape[0]} tokens, metadata has {sum(metadata.query_lens_list)}"
-        )
-    for i, (q_len, s_len) in enumerate(
-        zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)
-    ):
-        if not 0 <= q_len <= s_len:
-            raise ValueError(f"sequence {i}: query_len={q_len} not in [0, seq_len={s_len}]")
-    tables = metadata.block_tables
-    if tables.dim() != 2 or tables.shape[0] != num_seqs or tables.dtype != torch.int64:
-        raise ValueError(
-            f"block_tables must be [{num_seqs}, max_num_blocks] int64, "
-            f"got {tuple(tables.shape)} {tables.dtype}"
-        )
-    if tables.shape[1] * block_size < metadata.max_seq_len:
-        raise ValueError(
-            f"block_tables has {tables.shape[1]} columns, too few for seq_len "
-            f"{metadata.max_seq_len} at block_size {block_size}"
-        )
-    if metadata.query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"query_start_loc must be [{num_seqs + 1}], got {tuple(metadata.query_start_loc.shape)}"
-        )
+    # The metadata's own consistency is checked once, when it is built (`__post_init__`).
+    if metadata.num_tokens != query.shape[0]:
+        raise ValueError(f"query has {query.shape[0]} tokens, metadata has {metadata.num_tokens}")
     for name in ("block_tables", "seq_lens", "query_start_loc"):
         if getattr(metadata, name).device != k_cache.device:
             raise ValueError(f"metadata.{name} must be on the cache's device {k_cache.device}")
