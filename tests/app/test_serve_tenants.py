@@ -276,9 +276,9 @@ def test_openai_client_authentication_error(server: Server) -> None:
 # ---- quota -------------------------------------------------------------------------------
 
 
-def test_quota_exceeded_is_429(server: Server) -> None:
-    client = server.openai(INITECH)
-    holder = client.completions.create(
+def _hold_quota(client: openai.OpenAI) -> Any:
+    """Start a long streaming request that holds the tenant's one concurrent slot."""
+    return client.completions.create(
         model=SERVED_MODEL,
         prompt=prompt_of(200),
         max_tokens=HOLDER_MAX_TOKENS,
@@ -286,6 +286,11 @@ def test_quota_exceeded_is_429(server: Server) -> None:
         stream=True,
         extra_body={"ignore_eos": True},
     )
+
+
+def test_quota_exceeded_is_429(server: Server) -> None:
+    client = server.openai(INITECH)
+    holder = _hold_quota(client)
     try:
         next(iter(holder))  # initech's one request is now in flight
         response = _complete(server, INITECH, prompt_of(100))
@@ -311,14 +316,7 @@ def test_quota_exceeded_is_429(server: Server) -> None:
 
 def test_quota_exceeded_is_429_for_streaming_requests(server: Server) -> None:
     client = server.openai(INITECH)
-    holder = client.completions.create(
-        model=SERVED_MODEL,
-        prompt=prompt_of(200),
-        max_tokens=HOLDER_MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    holder = _hold_quota(client)
     try:
         next(iter(holder))
         response = _complete(server, INITECH, prompt_of(100), stream=True)
