@@ -25,10 +25,10 @@ from typing import Any, Protocol
 from decode.protocol import GenerationSpec
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
-from engine.replica import EngineReplica, kv_spec_for, model_id_for
+from engine.replica import EngineReplica, model_id_for
 from engine.request import Request
 from kvtransfer import KVReceiver, KVTransferError, TransferOptions, TransferState
 from kvtransfer import create_receiver as create_kv_receiver
@@ -66,8 +66,8 @@ class DecodeServer:
         kv_cache = None
         if self.prefill_pools:
             model_dir = str(resolve_model_dir(engine_config.model_dir))
-            spec = kv_spec_for(engine_config, model_dir)
             model_config = load_model_config(model_dir, engine_config.dtype)
+            spec = KVCacheSpec.for_engine(engine_config, model_config)
             if backend != "shm":
                 kv_cache = KVCache.allocate(spec, engine_config.device)
             self.receiver = create_kv_receiver(

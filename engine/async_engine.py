@@ -103,13 +103,13 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> concurrent.futures.Future[None]:
         """Abort a request in any state (frees its blocks); its stream gets a final delta."""
+        return self.call(lambda: self.abort_now(request_id))
 
-        def run() -> None:
-            delta = self.engine.abort_request(request_id)
-            if delta is not None:
-                self.publish(delta)
-
-        return self.call(run)
+    def abort_now(self, request_id: str) -> None:
+        """`abort`, for code already running on the engine thread."""
+        delta = self.engine.abort_request(request_id)
+        if delta is not None:
+            self.publish(delta)
 
     def publish(self, delta: RequestOutput) -> None:
         """Engine thread: hand a delta to its stream (dropped if the caller is gone)."""

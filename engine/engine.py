@@ -55,12 +55,7 @@ class Engine:
         self.model_config = load_model_config(self.model_dir, config.dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model = load_model(self.model_config, self.model_dir, self.device)
-        self.kv_spec = KVCacheSpec.for_model(
-            self.model_config,
-            config.cache.block_size,
-            config.cache.kv_cache_bytes,
-            self.model_config.dtype,
-        )
+        self.kv_spec = KVCacheSpec.for_engine(config, self.model_config)
         if kv_cache is not None and kv_cache.spec != self.kv_spec:
             raise ValueError(f"given KV cache {kv_cache.spec} != engine's {self.kv_spec}")
         self.kv_cache = kv_cache or KVCache.allocate(self.kv_spec, self.device)

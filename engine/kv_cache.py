@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import DTYPE_BYTES, ModelConfig
+from engine.config import DTYPE_BYTES, EngineConfig, ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +54,13 @@ class KVCacheSpec:
             num_kv_heads=probe.num_kv_heads,
             head_dim=probe.head_dim,
             dtype=dtype,
+        )
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, model_config: ModelConfig) -> KVCacheSpec:
+        """The geometry an engine built from `config` uses (decode's receiver needs it first)."""
+        return cls.for_model(
+            model_config, config.cache.block_size, config.cache.kv_cache_bytes, model_config.dtype
         )
 
     @property

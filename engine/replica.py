@@ -16,16 +16,7 @@ from typing import Any
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.loader import load_model_config
-
-
-def kv_spec_for(config: EngineConfig, model_dir: str) -> KVCacheSpec:
-    """The KV cache geometry an engine built from `config` will use."""
-    model_config = load_model_config(model_dir, config.dtype)
-    return KVCacheSpec.for_model(
-        model_config, config.cache.block_size, config.cache.kv_cache_bytes, model_config.dtype
-    )
+from engine.kv_cache import KVCache
 
 
 def _step_ms(step_times: Sequence[tuple[float, float]]) -> dict[str, float]:

@@ -137,9 +137,7 @@ class PrefillServer:
             if request_id in scheduler.held:
                 scheduler.release_held(request_id)
             elif request_id in scheduler.requests:  # aborted before its prompt completed
-                delta = self.engine.abort_request(request_id)
-                if delta is not None:
-                    self.replica.loop.publish(delta)
+                self.replica.loop.abort_now(request_id)
 
         self.replica.loop.call(free)
 
