@@ -29,7 +29,7 @@ from decode.protocol import GenerationSpec
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import SamplingParams, context_overflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +108,11 @@ class Frontend:
                 f"{limits.max_output_tokens}",
                 param="max_tokens",
             )
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.model_config.max_model_len:
-            raise ContextLengthExceededError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"= {total} exceeds the model's context length of "
-                f"{self.model_config.max_model_len}",
-                param="max_tokens",
-            )
+        overflow = context_overflow(
+            len(prompt_token_ids), params.max_tokens, self.model_config.max_model_len
+        )
+        if overflow is not None:
+            raise ContextLengthExceededError(overflow, param="max_tokens")
         return PreparedRequest(
             request_id=uuid.uuid4().hex,
             tenant=tenant,

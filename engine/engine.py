@@ -25,7 +25,13 @@ from engine.loader import load_model_config, load_state_dict, load_tokenizer
 from engine.model import CausalLM, LayerHook, RotaryEmbedding
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import InvalidRequestError, Request, RequestStatus, SamplingParams
+from engine.request import (
+    InvalidRequestError,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    context_overflow,
+)
 from engine.scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | list[int]
@@ -102,12 +108,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        overflow = context_overflow(len(token_ids), params.max_tokens, self.max_model_len)
+        if overflow is not None:
+            raise InvalidRequestError(overflow)
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context length of {self.max_model_len}"
-            )
         if self.kv_manager.num_blocks_for(total) > self.kv_spec.num_blocks:
             raise InvalidRequestError(
                 f"request needs {total} tokens of KV cache, more than this replica's "

@@ -58,6 +58,20 @@ class InvalidRequestError(ValueError):
     """Bad user input (becomes a 4xx response at the API edge)."""
 
 
+def context_overflow(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why prompt + max_tokens does not fit the model's context, or None when it fits.
+
+    The ingress and the engine both check this (the ingress first, to answer early).
+    """
+    total = num_prompt_tokens + max_tokens
+    if total <= max_model_len:
+        return None
+    return (
+        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+        f"exceeds the model's context length of {max_model_len}"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token, and when to stop. Validated on construction."""
