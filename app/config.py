@@ -26,6 +26,7 @@ from app.config_sections import (
     TenantConfig,
     TransferSettings,
     _Strict,
+    read_api_keys,
 )
 
 __all__ = [
@@ -63,7 +64,19 @@ class PDServeConfig(_Strict):
     )
     admin_api_keys: list[str] = Field(
         default_factory=list,
-        description="Keys that may read /v1/pdserve/stats when tenants are configured.",
+        description="Inline admin keys (loopback hosts only); admins may read "
+        "/v1/pdserve/stats when tenants are configured.",
+    )
+    admin_api_keys_env: str | None = Field(
+        default=None, min_length=1, description="Environment variable holding the admin keys."
+    )
+    admin_api_keys_file: str | None = Field(
+        default=None, min_length=1, description="File with the admin keys, one per line."
+    )
+    allow_anonymous: bool = Field(
+        default=False,
+        description="Serve without tenants (no API keys) on a non-loopback host. Off by "
+        "default: such a config refuses to start.",
     )
     limits: LimitSettings = Field(default_factory=LimitSettings, description="Request size limits.")
     http: HttpSettings = Field(
@@ -143,21 +156,37 @@ class PDServeConfig(_Strict):
             )
 
     @model_validator(mode="after")
+    def _check_exposure(self) -> PDServeConfig:
+        """Secure defaults for a listener other machines can reach."""
+        if self.http.is_loopback:
+            return self
+        host = self.http.host
+        if not self.tenants and not self.allow_anonymous:
+            raise ValueError(
+                f"http.host {host!r} is reachable from other machines and no tenants are "
+                "configured, so anyone could use the service: add tenants with API keys, or "
+                "set allow_anonymous: true"
+            )
+        inline = [t.name for t in self.tenants if t.api_keys]
+        if self.admin_api_keys:
+            inline.append("admin_api_keys")
+        if inline:
+            raise ValueError(
+                f"inline API keys ({', '.join(inline)}) on non-loopback host {host!r}: app "
+                "args are visible in `serve config` and the dashboard; use api_keys_env / "
+                "api_keys_file (admin_api_keys_env / admin_api_keys_file) instead"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_tenants(self) -> PDServeConfig:
         tenant_names = [tenant.name for tenant in self.tenants]
         repeated = sorted({name for name in tenant_names if tenant_names.count(name) > 1})
         if repeated:
             raise ValueError(f"tenant names must be unique; repeated: {', '.join(repeated)}")
-        owner: dict[str, str] = {}
+        _check_unique_keys({tenant.name: tenant.api_keys for tenant in self.tenants})
         pool_names = {pool.name for pool in self.pools}
         for tenant in self.tenants:
-            for key in tenant.api_keys:
-                if key in owner:
-                    raise ValueError(
-                        f"an API key of tenant {tenant.name!r} is also a key of tenant "
-                        f"{owner[key]!r}; keys must be unique across tenants"
-                    )
-                owner[key] = tenant.name
             unknown = [name for name in tenant.allowed_pools if name not in pool_names]
             if unknown:
                 raise ValueError(
@@ -171,6 +200,28 @@ class PDServeConfig(_Strict):
                 raise ValueError(f"tenant {tenant.name!r}: allowed_pools has no prefill pool")
         return self
 
+    def resolve_tenant_keys(self) -> dict[str, str]:
+        """API key -> tenant name, reading every tenant's environment variable and file now.
+
+        Raises `ConfigError` when a source is missing or two tenants share a key.
+        """
+        keys = {tenant.name: tenant.resolve_api_keys() for tenant in self.tenants}
+        try:
+            _check_unique_keys(keys)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return {key: name for name, tenant_keys in keys.items() for key in tenant_keys}
+
+    def resolve_admin_keys(self) -> frozenset[str]:
+        """The admin keys from every source named (read now)."""
+        if not (self.admin_api_keys_env or self.admin_api_keys_file):
+            return frozenset(self.admin_api_keys)
+        return frozenset(
+            read_api_keys(
+                self.admin_api_keys, self.admin_api_keys_env, self.admin_api_keys_file, "admin"
+            )
+        )
+
     def allowed_pools(self, tenant: str) -> list[PoolConfig]:
         """Pools `tenant` may use, in config order (all pools for "" or an empty list)."""
         for entry in self.tenants:
@@ -181,6 +232,18 @@ class PDServeConfig(_Strict):
         if tenant == "" and not self.tenants:
             return list(self.pools)
         raise KeyError(tenant)
+
+
+def _check_unique_keys(keys_by_tenant: Mapping[str, list[str]]) -> None:
+    owner: dict[str, str] = {}
+    for tenant, keys in keys_by_tenant.items():
+        for key in keys:
+            if key in owner:
+                raise ValueError(
+                    f"an API key of tenant {tenant!r} is also a key of tenant "
+                    f"{owner[key]!r}; keys must be unique across tenants"
+                )
+            owner[key] = tenant
 
 
 def _fmt_range(low: int | float, high: int | float) -> str:

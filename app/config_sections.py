@@ -6,7 +6,9 @@ Each is a strict pydantic model (unknown keys are errors) with a description on 
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import os
 from pathlib import PurePath
 from typing import Any, Literal
 
@@ -218,12 +220,60 @@ class TransferSettings(_Strict):
     checksum: bool = Field(default=False, description="Checksum blocks to detect corruption.")
 
 
+def _check_inline_keys(value: list[str]) -> list[str]:
+    if any(not key or key != key.strip() for key in value):
+        raise ValueError("API keys must be non-empty and have no surrounding whitespace")
+    if len(set(value)) != len(value):
+        raise ValueError("API keys must not repeat")
+    return value
+
+
+def read_api_keys(inline: list[str], env: str | None, path: str | None, owner: str) -> list[str]:
+    """The keys of one owner (a tenant, or the admins) from every source it names.
+
+    `env` names an environment variable holding keys separated by commas or whitespace;
+    `path` a file with one key per line (blank lines and `#` comments skipped). Both are
+    read where this runs (the ingress replica), so the keys never travel in the app args.
+    Raises `ConfigError` when a named source is missing or empty.
+    """
+    keys = list(inline)
+    if env is not None:
+        value = os.environ.get(env)
+        if not value or not value.strip():
+            raise ConfigError(f"{owner}: environment variable {env!r} is unset or empty")
+        keys += value.replace(",", " ").split()
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.strip() for line in f]
+        except OSError as e:
+            raise ConfigError(f"{owner}: cannot read API key file {path!r}: {e}") from e
+        from_file = [line for line in lines if line and not line.startswith("#")]
+        if not from_file:
+            raise ConfigError(f"{owner}: API key file {path!r} holds no key")
+        keys += from_file
+    return list(dict.fromkeys(keys))
+
+
 class TenantConfig(_Strict):
-    """A client organisation: its API keys, the pools it may use, and its priority."""
+    """A client organisation: its API keys, the pools it may use, and its priority.
+
+    Keys come from `api_keys_env` / `api_keys_file` (read by the ingress replica), or inline
+    in `api_keys`, which are stored in the app args and so allowed only on a loopback host.
+    """
 
     name: str = Field(pattern=_NAME_PATTERN, description="Unique tenant name.")
     api_keys: list[str] = Field(
-        min_length=1, description="The tenant's API keys (unique across tenants)."
+        default_factory=list,
+        description="Inline API keys (loopback hosts only: app args are visible to operators).",
+    )
+    api_keys_env: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Environment variable holding the tenant's keys (comma/space separated).",
+    )
+    api_keys_file: str | None = Field(
+        default=None, min_length=1, description="File with the tenant's keys, one per line."
     )
     allowed_pools: list[str] = Field(
         default_factory=list, description="Pool names the tenant may use; empty = all pools."
@@ -233,14 +283,21 @@ class TenantConfig(_Strict):
         default=None, ge=1, description="Quota of in-flight requests; None = unlimited."
     )
 
-    @field_validator("api_keys")
-    @classmethod
-    def _check_keys(cls, value: list[str]) -> list[str]:
-        if any(not key or key != key.strip() for key in value):
-            raise ValueError("api_keys must be non-empty and have no surrounding whitespace")
-        if len(set(value)) != len(value):
-            raise ValueError("api_keys must not repeat")
-        return value
+    _check_keys = field_validator("api_keys")(_check_inline_keys)
+
+    @model_validator(mode="after")
+    def _some_key_source(self) -> TenantConfig:
+        if not (self.api_keys or self.api_keys_env or self.api_keys_file):
+            raise ValueError(
+                f"tenant {self.name!r} has no API key: set api_keys_env, api_keys_file or api_keys"
+            )
+        return self
+
+    def resolve_api_keys(self) -> list[str]:
+        """Every key of this tenant, reading its environment variable and file now."""
+        return read_api_keys(
+            self.api_keys, self.api_keys_env, self.api_keys_file, f"tenant {self.name!r}"
+        )
 
 
 class LimitSettings(_Strict):
@@ -258,3 +315,16 @@ class HttpSettings(_Strict):
 
     host: str = Field(default="127.0.0.1", min_length=1, description="Listen address.")
     port: int = Field(default=8000, ge=1, le=65535, description="Listen port.")
+    enable_docs: bool = Field(
+        default=False, description="Serve FastAPI's /docs, /redoc and /openapi.json."
+    )
+
+    @property
+    def is_loopback(self) -> bool:
+        """True when only this machine can reach the listener."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: assume it is reachable from elsewhere
+            return False

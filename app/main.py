@@ -52,6 +52,10 @@ def _options(pool: PoolConfig) -> dict[str, Any]:
 def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Application:
     """The whole pdserve application for `args` (a PDServeConfig or its dict)."""
     config = args if isinstance(args, PDServeConfig) else load_config(dict(args or DEFAULT_ARGS))
+    # Fail here, before any replica starts, when a key source named in the config is missing
+    # (the ingress reads the keys again where it runs; they never travel in the args).
+    config.resolve_tenant_keys()
+    config.resolve_admin_keys()
     engine_config = config.model.to_engine_config()
     options = TransferOptions(checksum=config.transfer.checksum)
     backend = config.transfer.backend

@@ -76,9 +76,8 @@ class RouterPolicy:
         self._threshold = config.local_prefill_threshold
         self._prefill_pools: list[PoolConfig] = config.pools_by_role("prefill")
         self._tenants: dict[str, TenantConfig] = {t.name: t for t in config.tenants}
-        self._tenant_by_key: dict[str, str] = {
-            key: tenant.name for tenant in config.tenants for key in tenant.api_keys
-        }
+        self._tenant_by_key = config.resolve_tenant_keys()
+        self._admin_keys = config.resolve_admin_keys()
         names = list(self._tenants) if config.tenants else [ANONYMOUS_TENANT]
         self._routes = {name: self._tenant_routes(name) for name in names}
 
@@ -97,6 +96,10 @@ class RouterPolicy:
     def requires_api_key(self) -> bool:
         """True when tenants are configured (requests must carry a known API key)."""
         return bool(self._tenants)
+
+    def is_admin_key(self, api_key: str | None) -> bool:
+        """True for a configured admin key."""
+        return api_key is not None and api_key in self._admin_keys
 
     def tenant_for_key(self, api_key: str | None) -> str:
         """The tenant owning `api_key`; "" for everyone when no tenants are configured."""

@@ -20,6 +20,7 @@ from app.config import (
     PoolConfig,
     load_config,
 )
+from app.router import RouterPolicy
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -231,12 +232,35 @@ INVALID: list[tuple[str, Callable[[Config], object], str]] = [
     ),
     ("bad backend", lambda c: c.update(transfer={"backend": "rdma"}), "'shm', 'tcp'"),
     ("deadline", lambda c: c.update(transfer={"deadline_s": 0}), "greater than 0"),
-    ("no keys", lambda c: c["tenants"][0].update(api_keys=[]), "at least 1 item"),
-    ("empty key", lambda c: c["tenants"][0].update(api_keys=[""]), "api_keys must be non-empty"),
+    (
+        "no keys",
+        lambda c: c["tenants"][0].update(api_keys=[]),
+        "tenant 'acme' has no API key: set api_keys_env, api_keys_file or api_keys",
+    ),
+    ("empty key", lambda c: c["tenants"][0].update(api_keys=[""]), "API keys must be non-empty"),
     (
         "repeated key",
         lambda c: c["tenants"][0].update(api_keys=["a", "a"]),
-        "api_keys must not repeat",
+        "API keys must not repeat",
+    ),
+    (
+        "public without tenants",
+        lambda c: c.update(tenants=[], http={"host": "0.0.0.0"}),
+        "http.host '0.0.0.0' is reachable from other machines and no tenants are configured",
+    ),
+    (
+        "public with inline keys",
+        lambda c: c.update(http={"host": "0.0.0.0"}),
+        "inline API keys \\(acme, globex\\) on non-loopback host '0.0.0.0'",
+    ),
+    (
+        "public with inline admin keys",
+        lambda c: c.update(
+            http={"host": "10.1.2.3"},
+            tenants=[{"name": "acme", "api_keys_env": "PDSERVE_TEST_KEYS"}],
+            admin_api_keys=["sk-admin"],
+        ),
+        "inline API keys \\(admin_api_keys\\)",
     ),
     (
         "key shared by tenants",
@@ -366,3 +390,87 @@ def test_build_app_takes_one_args_parameter() -> None:
     """Serve calls `build_app(args)` with exactly one positional argument (the args dict)."""
     main = pytest.importorskip("app.main")
     assert len(inspect.signature(main.build_app).parameters) == 1
+
+
+def _public(tenants: list[dict[str, object]], **extra: object) -> PDServeConfig:
+    return PDServeConfig.model_validate(
+        _edit(lambda c: c.update(http={"host": "0.0.0.0"}, tenants=tenants, **extra))
+    )
+
+
+def test_public_host_allows_anonymous_only_when_asked() -> None:
+    config = _public([], allow_anonymous=True)
+    assert config.resolve_tenant_keys() == {}
+    assert not RouterPolicy(config).requires_api_key
+
+
+def test_keys_are_read_from_env_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = tmp_path / "globex-keys"
+    keys.write_text("# globex\nsk-g1\n\n  sk-g2  \n")
+    admin = tmp_path / "admin-keys"
+    admin.write_text("sk-admin\n")
+    monkeypatch.setenv("PDSERVE_TEST_ACME_KEYS", "sk-a1, sk-a2 sk-a3")
+    config = _public(
+        [
+            {"name": "acme", "api_keys_env": "PDSERVE_TEST_ACME_KEYS"},
+            {"name": "globex", "api_keys_file": str(keys), "allowed_pools": ["short", "decode"]},
+        ],
+        admin_api_keys_file=str(admin),
+    )
+    assert config.resolve_tenant_keys() == {
+        "sk-a1": "acme",
+        "sk-a2": "acme",
+        "sk-a3": "acme",
+        "sk-g1": "globex",
+        "sk-g2": "globex",
+    }
+    policy = RouterPolicy(config)
+    assert policy.tenant_for_key("sk-g2") == "globex"
+    assert policy.is_admin_key("sk-admin") and not policy.is_admin_key("sk-a1")
+    # The keys themselves never appear in what Serve stores as the app's args.
+    dumped = str(config.model_dump(mode="json"))
+    assert "sk-a1" not in dumped and "sk-g1" not in dumped and "sk-admin" not in dumped
+
+
+@pytest.mark.parametrize(
+    ("tenant", "message"),
+    [
+        ({"api_keys_env": "PDSERVE_TEST_UNSET"}, "environment variable 'PDSERVE_TEST_UNSET'"),
+        ({"api_keys_file": "/nonexistent/keys"}, "cannot read API key file '/nonexistent/keys'"),
+    ],
+)
+def test_missing_key_source_fails_the_build(tenant: dict[str, str], message: str) -> None:
+    from app.main import build_app
+
+    config = _public([{"name": "acme", **tenant}])
+    with pytest.raises(ConfigError, match=message):
+        build_app(config)
+
+
+def test_keys_shared_across_sources_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_TEST_A", "same")
+    monkeypatch.setenv("PDSERVE_TEST_G", "same")
+    config = _public(
+        [
+            {"name": "acme", "api_keys_env": "PDSERVE_TEST_A"},
+            {
+                "name": "globex",
+                "api_keys_env": "PDSERVE_TEST_G",
+                "allowed_pools": ["short", "decode"],
+            },
+        ]
+    )
+    with pytest.raises(ConfigError, match="also a key of tenant 'acme'"):
+        config.resolve_tenant_keys()
+
+
+def test_h200_config_refuses_to_start_without_its_key_files() -> None:
+    from app.main import build_app
+
+    config = load_config(CONFIGS / "h200.yaml")
+    assert not config.http.is_loopback and config.tenants and not config.allow_anonymous
+    with pytest.raises(ConfigError, match="cannot read API key file '/etc/pdserve/api-keys'"):
+        build_app(config)
+    without_tenants = config.model_dump(mode="json") | {"tenants": [], "admin_api_keys_file": None}
+    with pytest.raises(ValidationError, match="add tenants with API keys, or set allow_anonymous"):
+        PDServeConfig.model_validate(without_tenants)

@@ -187,11 +187,17 @@ def test_cpu_tenants_file() -> None:
         policy.route(2000, globex)
 
 
-def test_h200_file() -> None:
-    policy = RouterPolicy(load_config(CONFIGS / "h200.yaml"))
-    assert policy.route(255, "").local_prefill
-    assert policy.route(256, "").prefill_pool == "short"
-    assert policy.route(8193, "").prefill_pool == "long"
-    assert policy.route(28672, "").prefill_pool == "long"
+def test_h200_file(tmp_path: Path) -> None:
+    config = load_config(CONFIGS / "h200.yaml")
+    keys = tmp_path / "keys"
+    keys.write_text("sk-h200\n")
+    tenants = [t.model_copy(update={"api_keys_file": str(keys)}) for t in config.tenants]
+    config = config.model_copy(update={"tenants": tenants, "admin_api_keys_file": str(keys)})
+    policy = RouterPolicy(config)
+    tenant = policy.tenant_for_key("sk-h200")
+    assert policy.route(255, tenant).local_prefill
+    assert policy.route(256, tenant).prefill_pool == "short"
+    assert policy.route(8193, tenant).prefill_pool == "long"
+    assert policy.route(28672, tenant).prefill_pool == "long"
     with pytest.raises(PromptTooLongError):
-        policy.route(28673, "")
+        policy.route(28673, tenant)
