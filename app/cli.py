@@ -18,6 +18,7 @@ BENCHMARKS = {
     "serve": "bench.loadgen",
     "goodput": "bench.goodput",
     "compare": "bench.compare",
+    "chaos": "bench.chaos",
 }
 
 

@@ -6,7 +6,7 @@ Every error the HTTP API returns has the body OpenAI's clients parse:
 
 | status | class (when) | type (`invalid_request` = `invalid_request_error`) | code |
 | --- | --- | --- | --- |
-| 400 | `BadRequestError` (bad values) | invalid_request | caller's |
+| 400 | `BadRequestError` (bad values, malformed JSON, schema) | invalid_request | caller's |
 | 400 | `UnsupportedFeatureError` (echo, batch, tools) | invalid_request | unsupported_feature |
 | 400 | `ContextLengthExceededError` (prompt too long) | invalid_request | context_length_exceeded |
 | 401 | `AuthenticationError` (missing/unknown key) | authentication_error | invalid_api_key |
@@ -15,14 +15,16 @@ Every error the HTTP API returns has the body OpenAI's clients parse:
 | 404 | unknown route | not_found_error | - |
 | 405 | wrong method | invalid_request | method_not_allowed |
 | 413 | `PayloadTooLargeError` (body too big) | invalid_request | payload_too_large |
-| 422 | pydantic / FastAPI validation errors | invalid_request | - |
 | 429 | `RateLimitError` (tenant over quota) | rate_limit_error | rate_limit_exceeded |
 | 503 | `ServiceUnavailableError` (not ready, overloaded) | service_unavailable_error | caller's |
+| 503 | `ReplicaLostError` (replica died mid-request) | service_unavailable_error | replica_lost |
 | 500 | `InternalServerError`, any other exception | server_error | internal_error |
 
 A prompt over the token limit is a 400 `context_length_exceeded`, as OpenAI answers; 413 is
 only for a request body over the byte limit, checked before parsing. Out-of-range sampling values
 (`engine.request.InvalidRequestError`) are 400, and a malformed body is 400 "malformed JSON: ...".
+Schema violations (pydantic errors: wrong types, missing fields, bounds) are 400 with `param` the
+offending field's path (`messages.0.role`), as OpenAI and vLLM answer, never FastAPI's 422.
 """
 
 from __future__ import annotations
@@ -99,6 +101,18 @@ class APIError(Exception):
     def to_body(self) -> ErrorBody:
         """This error's JSON body."""
         return error_body(self.message, self.error_type, self.param, self.code)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled across Ray (handle callers): keep message, param and code, whatever the
+        # subclass's constructor takes.
+        return _rebuild_api_error, (type(self), dict(self.__dict__))
+
+
+def _rebuild_api_error(cls: type[APIError], state: dict[str, Any]) -> APIError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, state["message"])
+    error.__dict__.update(state)
+    return error
 
 
 class BadRequestError(APIError):
@@ -189,6 +203,17 @@ class ServiceUnavailableError(APIError):
         super().__init__(message, **kwargs)
 
 
+class ReplicaLostError(ServiceUnavailableError):
+    """503: the replica serving this request died (the request may be retried as a whole)."""
+
+    default_code = "replica_lost"
+
+    def __init__(
+        self, message: str = "the replica serving this request was lost; retry the request"
+    ) -> None:
+        super().__init__(message)
+
+
 class InternalServerError(APIError):
     """500: a bug or an unexpected failure; the message must not leak internals."""
 
@@ -197,34 +222,51 @@ class InternalServerError(APIError):
     default_code = "internal_error"
 
 
+def _is_type_tag(part: int | str) -> bool:
+    """A union member's tag in a loc ("str", "list[int]", "constrained-str"), not a field."""
+    return isinstance(part, str) and (
+        "[" in part or part in _UNION_TAGS or part.startswith("constrained-")
+    )
+
+
 def _loc_path(loc: Sequence[int | str]) -> str:
-    """`("body", "messages", 0, "role")` -> `"messages.0.role"` (FastAPI's "body" dropped)."""
-    parts = [str(p) for p in loc]
+    """`("body", "stop", "list[str]", 0)` -> `"stop.0"` (the "body" and union tags dropped)."""
+    parts = [str(p) for p in loc if not _is_type_tag(p)]
     if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
     return ".".join(parts)
 
 
+def _relevant(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Drop a union's "wrong type" errors for members whose type the input did not have.
+
+    `"stop": ["a", "b", "c", "d", "e"]` fails both members of `str | list[str]`; only the
+    list member's "at most 4 items" says what is wrong.
+    """
+    by_field: dict[str, list[Mapping[str, Any]]] = {}
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        field = _loc_path(loc[: next((i for i, p in enumerate(loc) if _is_type_tag(p)), None)])
+        by_field.setdefault(field, []).append(err)
+    kept: list[Mapping[str, Any]] = []
+    for group in by_field.values():
+        specific = [e for e in group if not str(e.get("type", "")).endswith("_type")]
+        # Else the member that got furthest into the input ("prompt.1: not an int").
+        kept += specific or [max(group, key=lambda e: len(e.get("loc", ())))]
+    return kept
+
+
 def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """Pydantic error dicts -> ("path: problem; path: problem", path of the first error)."""
+    errors = _relevant(errors)
     lines = []
     for err in errors[:_MAX_LISTED_ERRORS]:
         path = _loc_path(err.get("loc", ()))
         lines.append(f"{path}: {err['msg']}" if path else str(err["msg"]))
     if len(errors) > _MAX_LISTED_ERRORS:
         lines.append(f"... and {len(errors) - _MAX_LISTED_ERRORS} more")
-    param = _loc_path(_field_loc(errors[0].get("loc", ()))) if errors else None
+    param = _loc_path(errors[0].get("loc", ())) if errors else None
     return "; ".join(lines), param or None
-
-
-def _field_loc(loc: Sequence[int | str]) -> list[int | str]:
-    """The loc up to the first union-member tag ("str", "list[int]", "function-after[...]")."""
-    out: list[int | str] = []
-    for part in loc:
-        if isinstance(part, str) and ("[" in part or part in _UNION_TAGS):
-            break
-        out.append(part)
-    return out
 
 
 def _validation_response(errors: Sequence[Mapping[str, Any]]) -> tuple[int, ErrorBody]:
@@ -233,13 +275,20 @@ def _validation_response(errors: Sequence[Mapping[str, Any]]) -> tuple[int, Erro
         reason = (json_errors[0].get("ctx") or {}).get("error", "JSON decode error")
         return 400, error_body(f"malformed JSON: {reason}", "invalid_request_error")
     message, param = validation_message(errors)
-    return 422, error_body(message, "invalid_request_error", param)
+    return 400, error_body(message, "invalid_request_error", param)
 
 
 # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 2.0").
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _HTTP_STATUS_TYPES = {404: "not_found_error", 401: "authentication_error", 403: "permission_error"}
 _HTTP_STATUS_CODES = {405: "method_not_allowed"}
+
+
+def bad_request(exc: InvalidRequestError) -> BadRequestError:
+    """The engine's `InvalidRequestError` as the API's 400, `param` set from its message."""
+    message = str(exc)
+    first_word = message.split(" ", 1)[0]
+    return BadRequestError(message, param=first_word if first_word in _SAMPLING_FIELDS else None)
 
 
 def error_response(exc: BaseException) -> tuple[int, ErrorBody]:
@@ -255,10 +304,7 @@ def error_response(exc: BaseException) -> tuple[int, ErrorBody]:
     if isinstance(exc, UnicodeDecodeError):
         return 400, error_body("malformed JSON: body is not valid UTF-8", "invalid_request_error")
     if isinstance(exc, InvalidRequestError):
-        message = str(exc)
-        first_word = message.split(" ", 1)[0]
-        param = first_word if first_word in _SAMPLING_FIELDS else None
-        return 400, error_body(message, "invalid_request_error", param)
+        return error_response(bad_request(exc))
     if isinstance(exc, StarletteHTTPException):
         error_type = _HTTP_STATUS_TYPES.get(
             exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error"

@@ -1,35 +1,47 @@
 """What every entry point (HTTP and Python handle) does before and around decode.
 
-Authenticate the key → tenant, validate and tokenize, route (pool choice recorded), enforce
-the tenant's concurrency quota, then fan `n` choices out as streaming calls to a decode
-pool and merge their deltas. No FastAPI here: `app/ingress.py` adds HTTP on top.
+Authenticate the key → tenant, validate and tokenize (off the event loop), route (pool choice
+recorded), enforce the tenant's concurrency quota, then fan `n` choices out as streaming calls
+to a decode pool and merge their deltas. A decode replica that dies under a request fails it
+with `ReplicaLostError` (503); a request the engine failed (and isolated) gets a 500 with code
+"request_failed". No FastAPI here: `app/ingress.py` adds HTTP on top.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+from ray.exceptions import RayActorError
 
 from app.config import PDServeConfig
 from app.errors import (
     AuthenticationError,
     BadRequestError,
     ContextLengthExceededError,
+    InternalServerError,
     ModelNotFoundError,
     RateLimitError,
+    ReplicaLostError,
 )
+from app.prompts import PromptTokenizer
 from app.protocol import choice_sampling_params
 from app.router import RouteDecision, RouterPolicy
 from decode.protocol import GenerationSpec
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
-from engine.outputs import RequestOutput
+from engine.outputs import RequestFailedError, RequestOutput
 from engine.request import SamplingParams, context_overflow
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +65,10 @@ class Frontend:
         model_dir = str(resolve_model_dir(config.model.model))
         self.tokenizer = load_tokenizer(model_dir)
         self.model_config = load_model_config(model_dir, config.model.dtype)
+        self.prompts = PromptTokenizer(self.tokenizer, self.model_config.vocab_size)
+        # One thread: tokenizing a large prompt takes about a second per megabyte of CPU, and
+        # the tokenizer is not used from two threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
         self.model_name = config.model.served_model_name or config.model.model
         self.decode_handles = {name: h.options(stream=True) for name, h in decode_handles.items()}
         self.in_flight: Counter[str] = Counter()
@@ -66,30 +82,40 @@ class Frontend:
         room = self.model_config.max_model_len - num_prompt_tokens
         return max(1, min(self.config.limits.max_output_tokens, room))
 
+    def authenticate(self, api_key: str | None) -> str:
+        """The key's tenant; raises `AuthenticationError` (401). Call before any other work."""
+        return self.policy.tenant_for_key(api_key)
+
     def check_admin(self, api_key: str | None) -> None:
         """Operator endpoints: open without tenants, else an admin key is required."""
-        if self.policy.requires_api_key and api_key not in self.config.admin_api_keys:
+        if self.policy.requires_api_key and not self.policy.is_admin_key(api_key):
             raise AuthenticationError("this endpoint needs an admin API key")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.config.model.model):
             raise ModelNotFoundError(model)
 
-    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt).input_ids)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise BadRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return list(prompt)
+    async def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """A completions prompt's ids (text or checked ids), computed off the event loop."""
+        return await self._off_loop(self.prompts.tokenize_prompt, prompt)
 
-    def tokenize_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids: Any = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+    async def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The chat prompt's ids (content kept literal), computed off the event loop."""
+        return await self._off_loop(self.prompts.tokenize_chat, messages)
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: stop token ids within the vocabulary
+        (`InvalidRequestError`) and max_tokens within the service limit (`BadRequestError`)."""
+        params.check_vocab(self.model_config.vocab_size)
+        limit = self.config.limits.max_output_tokens
+        if params.max_tokens > limit:
+            raise BadRequestError(
+                f"max_tokens ({params.max_tokens}) exceeds this service's limit of {limit}",
+                param="max_tokens",
+            )
 
     def prepare(
         self,
@@ -97,17 +123,17 @@ class Frontend:
         prompt_token_ids: list[int],
         params: SamplingParams,
         n: int = 1,
+        prompt_param: str = "prompt",
     ) -> PreparedRequest:
-        """Authenticate, check limits and route. Raises an `APIError` (→ 4xx) on bad input."""
+        """Authenticate, check limits and route. Raises an `APIError` (→ 4xx) on bad input;
+        `prompt_param` names the prompt's field in errors about its length."""
         tenant = self.policy.tenant_for_key(api_key)
-        route = self.policy.route(len(prompt_token_ids), tenant)
-        limits = self.config.limits
-        if params.max_tokens > limits.max_output_tokens:
-            raise BadRequestError(
-                f"max_tokens ({params.max_tokens}) exceeds this service's limit of "
-                f"{limits.max_output_tokens}",
-                param="max_tokens",
-            )
+        try:
+            route = self.policy.route(len(prompt_token_ids), tenant)
+        except BadRequestError as exc:  # empty or too long
+            exc.param = exc.param or prompt_param
+            raise
+        self.check_params(params)
         overflow = context_overflow(
             len(prompt_token_ids), params.max_tokens, self.model_config.max_model_len
         )
@@ -170,6 +196,14 @@ class Frontend:
         except asyncio.CancelledError:
             stream.cancel()
             raise
+        except RayActorError as exc:  # ActorDiedError, ActorUnavailableError: replica gone
+            logger.warning("decode replica lost under %s: %r", spec.request_id, exc)
+            queue.put_nowait(ReplicaLostError())
+        except RequestFailedError as exc:  # isolated to this request; the replica serves on
+            logger.warning("request %s failed in the engine: %s", spec.request_id, exc)
+            queue.put_nowait(
+                InternalServerError("generation failed for this request", code="request_failed")
+            )
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller
             queue.put_nowait(exc)
 

@@ -11,36 +11,58 @@ share its authentication, limits, router and quotas with the HTTP API.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from engine.request import (
+    MAX_LOGPROBS,
+    MAX_NUM_STOP_STRINGS,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_STOP_STRING_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 
 class GenerateRequest(BaseModel):
-    """One completion request. Give `prompt` (text) or `prompt_token_ids`, not both."""
+    """One completion request. Give `prompt` (text) or `prompt_token_ids`, not both.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Validated with the same limits as the HTTP API (NaN and infinities are refused; stop
+    strings and ids are bounded); the ingress validates it again on arrival, and errors there
+    raise the HTTP API's `APIError`s (`BadRequestError`, `AuthenticationError`, ...).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     prompt: str | None = Field(None, description="Prompt text (tokenized by the service).")
-    prompt_token_ids: list[int] | None = Field(None, description="Pre-tokenized prompt.")
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="Pre-tokenized prompt (each id below the vocabulary size)."
+    )
     model: str | None = Field(None, description="Served model name; None = the one served.")
     api_key: str | None = Field(None, description="Tenant API key (when tenants are set).")
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    min_tokens: int = Field(0, ge=0, description="Fewest tokens to generate (<= max_tokens).")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="0 disables.")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p filtering.")
-    seed: int | None = Field(None, description="Reproducible sampling.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="Reproducible sampling.")
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_NUM_STOP_STRINGS, description="Stop strings."
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=list, max_length=MAX_NUM_STOP_TOKEN_IDS, description="Stop token ids."
+    )
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
-    logprobs: int | None = Field(None, ge=0, le=20, description="Top-N logprobs per token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Top-N logprobs per token."
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -49,8 +71,10 @@ class GenerateRequest(BaseModel):
         return self
 
     def to_sampling_params(self) -> SamplingParams:
+        """The engine's params; raises `InvalidRequestError` (e.g. min_tokens > max_tokens)."""
         return SamplingParams(
             max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,

@@ -1,32 +1,41 @@
 """The HTTP ingress: an OpenAI-compatible API (FastAPI inside a Serve deployment).
 
 Also the target of Python `DeploymentHandle` callers (`generate`), with the same checks.
-Every error comes back as an OpenAI-style JSON body with a 4xx/5xx status; the body size
-limit is enforced before parsing.
+Every error comes back as an OpenAI-style JSON body with a 4xx/5xx status. Each request does
+the cheap checks first: authenticate (401) before the body is read, cap the body while it is
+read (413), parse (400), validate (400), check the model (404) and the sampling values (400);
+only then tokenize, off the event loop. `/health` and `/v1/pdserve/stats` are bounded by
+timeouts and never wait on a pool for long. FastAPI's `/docs`, `/redoc` and `/openapi.json`
+answer only when `http.enable_docs` is set.
 """
 
 # No `from __future__ import annotations` here: Serve's ingress re-wraps these methods and
 # FastAPI must see real `Request` classes, not strings, to inject the request object.
 
 import asyncio
-import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import pydantic
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
+    BadRequestError,
     PayloadTooLargeError,
     ServiceUnavailableError,
+    bad_request,
     error_response,
     install_error_handlers,
+    validation_message,
 )
 from app.frontend import Frontend, PreparedRequest
 from app.handle import GenerateChunk, GenerateRequest
@@ -36,13 +45,33 @@ from app.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    parse_json_object,
     sse_event,
 )
+from engine.request import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-api = FastAPI(title="pdserve", description="Disaggregated prefill/decode LLM serving")
+HEALTH_TTL_S = 1.0  # /health answers from a probe at most this old
+HEALTH_TIMEOUT_S = 5.0  # a pool that does not answer a probe within this is not ready
+STATS_TIMEOUT_S = 5.0  # per pool, for /v1/pdserve/stats
+
+# The docs routes are ours (below), so that config can turn them on: this app object is
+# frozen into the deployment when the module is imported, before any config is known.
+api = FastAPI(
+    title="pdserve",
+    description="Disaggregated prefill/decode LLM serving",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 install_error_handlers(api)
+
+
+def _num_running(replica_states: Mapping[Any, int]) -> int:
+    return sum(
+        n for state, n in replica_states.items() if getattr(state, "value", state) == "RUNNING"
+    )
 
 
 def _api_key(request: Request) -> str | None:
@@ -67,21 +96,26 @@ class Ingress:
         self.pools: dict[str, Any] = {**prefill_pools, **decode_pools}
         self.token_strings = TokenStrings(self.frontend.tokenizer)
         self.created = int(time.time())
+        self._probe: asyncio.Future[bool] | None = None
+        self._is_ready = False
+        self._ready_checked_at = -math.inf
 
     # ---- helpers ---------------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        """The body's JSON object, read up to the byte limit (413 past it, even chunked)."""
         limit = self.config.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise PayloadTooLargeError(f"request body of {declared} bytes exceeds {limit} bytes")
-        raw = await request.body()
-        if len(raw) > limit:
-            raise PayloadTooLargeError(f"request body of {len(raw)} bytes exceeds {limit} bytes")
-        body = json.loads(raw)
-        if not isinstance(body, dict):
-            raise json.JSONDecodeError("expected a JSON object", raw.decode(errors="replace"), 0)
-        return body
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        return parse_json_object(b"".join(chunks))
 
     async def _respond(
         self,
@@ -130,11 +164,14 @@ class Ingress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        api_key = _api_key(request)
+        self.frontend.authenticate(api_key)
         body = CompletionRequest.model_validate(await self._body(request))
         self.frontend.check_model(body.model)
         params = body.to_sampling_params(default_max_tokens=16)
-        prompt_ids = self.frontend.tokenize_prompt(body.prompt)
-        prepared = self.frontend.prepare(_api_key(request), prompt_ids, params, body.n)
+        self.frontend.check_params(params)
+        prompt_ids = await self.frontend.tokenize_prompt(body.prompt)
+        prepared = self.frontend.prepare(api_key, prompt_ids, params, body.n)
         builder = CompletionBuilder(
             self.frontend.model_name,
             n=body.n,
@@ -145,11 +182,15 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        api_key = _api_key(request)
+        self.frontend.authenticate(api_key)
         body = ChatCompletionRequest.model_validate(await self._body(request))
         self.frontend.check_model(body.model)
-        prompt_ids = self.frontend.tokenize_chat(body.chat_messages())
+        # Checked before tokenizing; max_tokens' default depends on the prompt's length.
+        self.frontend.check_params(body.to_sampling_params(self.frontend.default_max_tokens(0)))
+        prompt_ids = await self.frontend.tokenize_chat(body.chat_messages())
         params = body.to_sampling_params(self.frontend.default_max_tokens(len(prompt_ids)))
-        prepared = self.frontend.prepare(_api_key(request), prompt_ids, params, body.n)
+        prepared = self.frontend.prepare(api_key, prompt_ids, params, body.n, "messages")
         builder = ChatBuilder(
             self.frontend.model_name,
             n=body.n,
@@ -160,29 +201,96 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
-        self.frontend.policy.tenant_for_key(_api_key(request))  # 401 for unknown keys
+        self.frontend.authenticate(_api_key(request))
         card = ModelCard(id=self.frontend.model_name, created=self.created)
         return ModelList(data=[card]).model_dump(mode="json")
 
     @api.get("/health")
     async def health(self) -> dict[str, Any]:
-        """Ready only when a replica of every pool answers (its model is loaded)."""
-        try:
-            stats = await asyncio.wait_for(self._pool_stats(), timeout=10)
-        except Exception as exc:  # noqa: BLE001 - any pool not answering means not ready
-            raise ServiceUnavailableError(f"pools not ready: {exc!r}", code="not_ready") from exc
-        return {"status": "ok", "pools": {name: s["replica"] for name, s in stats.items()}}
+        """`{"status": "ok"}` when every pool has a healthy replica, else 503 (nothing more:
+        no host names or pids). Probes are shared and cached for `HEALTH_TTL_S`."""
+        if not await self._ready():
+            raise ServiceUnavailableError("not ready", code="not_ready")
+        return {"status": "ok"}
 
     @api.get("/v1/pdserve/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
-        """Extension: routing decisions and each pool's KV occupancy (one replica each).
+        """Extension: routing decisions and each pool's KV occupancy (one replica each; a
+        pool that does not answer within `STATS_TIMEOUT_S` shows `{"error": ...}`).
         With tenants configured, only admin keys may read it."""
         self.frontend.check_admin(_api_key(request))
         return {"routing": self.frontend.routing_report(), "pools": await self._pool_stats()}
 
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        self._check_docs()
+        return JSONResponse(request.app.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        self._check_docs()
+        return get_swagger_ui_html(openapi_url=self._openapi_url(request), title="pdserve")
+
+    @api.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> HTMLResponse:
+        self._check_docs()
+        return get_redoc_html(openapi_url=self._openapi_url(request), title="pdserve")
+
+    def _check_docs(self) -> None:
+        if not self.config.http.enable_docs:
+            raise StarletteHTTPException(status_code=404, detail="Not Found")
+
+    @staticmethod
+    def _openapi_url(request: Request) -> str:
+        return f"{request.scope.get('root_path', '').rstrip('/')}/openapi.json"
+
+    async def _ready(self) -> bool:
+        if time.monotonic() - self._ready_checked_at < HEALTH_TTL_S:
+            return self._is_ready
+        if self._probe is None:
+            self._probe = asyncio.ensure_future(self._probe_pools())
+        # Shielded: a caller that goes away must not cancel the probe the others wait on.
+        return await asyncio.shield(self._probe)
+
+    async def _probe_pools(self) -> bool:
+        """Ready when the Serve controller counts a RUNNING replica in every pool.
+
+        Serve runs each replica's `check_health` (engine loop alive and progressing) and
+        only counts replicas that pass as RUNNING. Asking the controller, rather than the
+        pools, means a pool saturated with requests is not mistaken for a dead one.
+        """
+        try:
+            status = await asyncio.wait_for(
+                asyncio.to_thread(serve.status), timeout=HEALTH_TIMEOUT_S
+            )
+            app = status.applications.get(self.config.app_name)
+            deployments = app.deployments if app is not None else {}
+            ready = all(
+                name in deployments and _num_running(deployments[name].replica_states) > 0
+                for name in self.pools
+            )
+        except Exception as exc:  # noqa: BLE001 - a controller not answering means not ready
+            logger.warning("health probe failed: %r", exc)
+            ready = False
+        finally:
+            self._probe = None
+        self._is_ready, self._ready_checked_at = ready, time.monotonic()
+        return ready
+
     async def _pool_stats(self) -> dict[str, Any]:
+        async def one(pool: Any) -> dict[str, Any]:
+            try:
+                result: dict[str, Any] = await asyncio.wait_for(
+                    pool.stats.remote(), timeout=STATS_TIMEOUT_S
+                )
+            except TimeoutError:
+                return {"error": f"no answer within {STATS_TIMEOUT_S} s"}
+            except Exception as exc:  # noqa: BLE001 - one pool's failure is its own entry
+                return {"error": f"{type(exc).__name__}: {exc}"}
+            return result
+
         names = list(self.pools)
-        results = await asyncio.gather(*(self.pools[n].stats.remote() for n in names))
+        results = await asyncio.gather(*(one(self.pools[n]) for n in names))
         return dict(zip(names, results, strict=True))
 
     # ---- Python handle API -----------------------------------------------------------
@@ -192,14 +300,26 @@ class Ingress:
     ) -> AsyncIterator[GenerateChunk]:
         """Stream a completion for another Ray application (`handle.options(stream=True)`).
 
-        Same authentication, limits and routing as HTTP; errors raise the same `APIError`s.
+        Same authentication, limits and routing as HTTP; errors raise the same `APIError`s
+        (a request that fails validation raises `BadRequestError`, not pydantic's error).
         """
-        if not isinstance(request, BaseModel):
-            request = GenerateRequest.model_validate(request)
+        try:
+            if isinstance(request, GenerateRequest):  # validated where it was built; again here
+                request = GenerateRequest.model_validate(request.model_dump())
+            else:
+                request = GenerateRequest.model_validate(request)
+        except pydantic.ValidationError as exc:
+            message, param = validation_message(exc.errors(include_url=False))
+            raise BadRequestError(message, param=param) from None
+        self.frontend.authenticate(request.api_key)
         self.frontend.check_model(request.model)
-        params = request.to_sampling_params()
+        try:
+            params = request.to_sampling_params()
+            self.frontend.check_params(params)
+        except InvalidRequestError as exc:
+            raise bad_request(exc) from None
         prompt = request.prompt if request.prompt is not None else request.prompt_token_ids
-        prompt_ids = self.frontend.tokenize_prompt(prompt or [])
+        prompt_ids = await self.frontend.tokenize_prompt(prompt or [])
         prepared = self.frontend.prepare(request.api_key, prompt_ids, params, 1)
         async for _, delta in self.frontend.run(prepared):
             yield GenerateChunk.from_delta(delta, prepared.route.reason)

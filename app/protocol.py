@@ -1,8 +1,10 @@
 """The OpenAI API subset pdserve serves: request and response models.
 
 Wire format follows the official `openai` client's types (`openai.types.Completion`,
-`openai.types.chat.ChatCompletion`, `ChatCompletionChunk`, `Model`). Requests are parsed in
-strict mode: unknown fields are ignored (clients send some), wrong types fail (422). Features we
+`openai.types.chat.ChatCompletion`, `ChatCompletionChunk`, `Model`). A body is parsed by
+`parse_json_object` (any malformed JSON is a 400, with bounded work), then validated in strict
+mode: unknown fields are ignored (clients send some), wrong types, NaN/infinite numbers, and
+counts or lengths over the limits fail (pydantic errors, a 400 naming the field). Features we
 do not implement (`echo`, batched prompts, `tools`, JSON mode, ...) raise
 `UnsupportedFeatureError` (400) out of validation, and out-of-range sampling values raise
 `engine.request.InvalidRequestError` (400) from `to_sampling_params`.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -29,17 +31,53 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from app.errors import UnsupportedFeatureError
-from engine.request import SamplingParams
+from app.errors import BadRequestError, UnsupportedFeatureError
+from engine.request import (
+    MAX_NUM_STOP_STRINGS,
+    MAX_NUM_STOP_TOKEN_IDS,
+    MAX_STOP_STRING_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 FinishReason = Literal["stop", "length", "abort"]
+MAX_USER_CHARS = 256  # the `user` and message `name` strings (logged, never used)
 
 # ---------------------------------------------------------------------------------- requests
 
 
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body -> its top-level JSON object. Raises `BadRequestError` (400) otherwise.
+
+    Malformed input of any shape is a 400: bad syntax, invalid UTF-8, nesting deeper than the
+    interpreter's recursion limit, integers over Python's digit limit, a top level other than
+    an object. The work is bounded by the body size (the caller caps it) and the recursion
+    limit.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"malformed JSON: body is not valid UTF-8 ({exc.reason})") from exc
+    try:
+        body = json.loads(text)
+    except RecursionError as exc:
+        raise BadRequestError("malformed JSON: nested too deeply") from exc
+    except ValueError as exc:  # JSONDecodeError, or an integer with too many digits
+        raise BadRequestError(f"malformed JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequestError(
+            f"malformed JSON: the body must be a JSON object, got {type(body).__name__}"
+        )
+    return body
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class StreamOptions(_Request):
@@ -57,19 +95,28 @@ class _SamplingRequest(_Request):
     n: int = Field(1, ge=1, le=8, description="Number of choices to generate.")
     stream: bool = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = Field(
-        None, description="Up to 4 stop strings, not included in the output."
+    stop: (
+        StopString | Annotated[list[StopString], Field(max_length=MAX_NUM_STOP_STRINGS)] | None
+    ) = Field(None, description="Up to 4 stop strings, not included in the output.")
+    seed: int | None = Field(
+        None, ge=SEED_MIN, le=SEED_MAX, description="Seed for reproducible sampling (int64)."
     )
-    seed: int | None = Field(None, description="Seed for reproducible sampling.")
     presence_penalty: float = Field(0.0, description="In [-2, 2].")
     frequency_penalty: float = Field(0.0, description="In [-2, 2].")
-    user: str | None = Field(None, description="End-user id (logged, not used).")
-    top_k: int | None = Field(None, description="Extension: top-k; 0 or -1 disables.")
+    user: str | None = Field(
+        None, max_length=MAX_USER_CHARS, description="End-user id (logged, not used)."
+    )
+    top_k: int | None = Field(None, ge=-1, description="Extension: top-k; 0 or -1 disables.")
     min_p: float = Field(0.0, description="Extension: min-p filtering, in [0, 1].")
     repetition_penalty: float = Field(1.0, description="Extension: > 0; 1 disables.")
     ignore_eos: bool = Field(False, description="Extension: keep going past EOS.")
-    min_tokens: int = Field(0, description="Extension: minimum tokens before stopping.")
-    stop_token_ids: list[int] | None = Field(None, description="Extension: stop token ids.")
+    min_tokens: int = Field(
+        0, ge=0, description="Extension: minimum tokens before stopping (<= max_tokens)."
+    )
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_NUM_STOP_TOKEN_IDS)]
+        | None
+    ) = Field(None, description="Extension: stop token ids (each below the vocabulary size).")
     logit_bias: dict[str, float] | None = Field(None, description="Unsupported if non-empty.")
 
     @property
@@ -113,7 +160,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=5, description="Top alternatives per token.")
     echo: bool = Field(False, description="Unsupported if true.")
     suffix: str | None = Field(None, description="Unsupported if set.")
-    best_of: int | None = Field(None, description="Unsupported if over 1.")
+    best_of: int | None = Field(None, ge=1, description="Unsupported if over 1.")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -156,13 +203,26 @@ class ChatTextPart(_Request):
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str = Field(description="The text.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, value: object) -> object:
+        if isinstance(value, dict) and value.get("type", "text") != "text":
+            raise PydanticCustomError(
+                "unsupported_content_part",
+                "content parts of type '{part_type}' are not supported; only 'text'",
+                {"part_type": str(value.get("type"))},
+            )
+        return value
+
 
 class ChatMessageParam(_Request):
     """One message of the conversation."""
 
     role: Literal["system", "user", "assistant"] = Field(description="Who wrote it.")
     content: str | list[ChatTextPart] = Field(description="Text, or a list of text parts.")
-    name: str | None = Field(None, description="Optional participant name (ignored).")
+    name: str | None = Field(
+        None, max_length=MAX_USER_CHARS, description="Optional participant name (ignored)."
+    )
 
     @property
     def text(self) -> str:

@@ -3,22 +3,30 @@
 Everything that touches the scheduler runs on the engine thread: callers submit closures
 (`call`) that the loop runs between steps, so the scheduler and block pool need no locks.
 Deltas travel back to each caller's event loop with `call_soon_threadsafe`.
+
+A request that fails in the engine ends its own stream with `RequestFailedError`; the loop
+goes on. Only a failure outside any request's step stops the loop (every stream then gets
+`EngineDeadError`, and `is_alive` turns False). After each iteration the loop publishes a
+heartbeat and a snapshot of the engine's occupancy, which other threads read without
+waiting on the engine (`occupancy`, `seconds_since_progress`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import MappingProxyType
 from typing import TypeVar
 
 from engine.engine import Engine, LayerHookFactory
-from engine.outputs import RequestOutput
+from engine.outputs import RequestFailedError, RequestOutput
 from engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -42,6 +50,9 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        # Written by the engine thread only, each as one reference swap: readers need no lock.
+        self._occupancy: Mapping[str, int] = MappingProxyType(engine.occupancy())
+        self._progress_at = time.monotonic()
         # A step holds the GIL for most of its Python-level dispatch; a short switch interval
         # lets the replica's event loop (which streams tokens out) run between torch ops.
         if sys.getswitchinterval() > SWITCH_INTERVAL_S:
@@ -77,14 +88,26 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         return stream
 
+    def close_stream(self, request_id: str) -> None:
+        """Unregister `request_id`'s delta queue: for a caller that opened it and gives up
+        before `stream` (whose own exit unregisters it). Idempotent."""
+        self._streams.pop(request_id, None)
+
     async def stream(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas until it finishes; abort it if the caller goes away."""
+        """Yield the request's deltas until it finishes; abort it if the caller goes away.
+
+        Raises `RequestFailedError` when the request failed in the engine (its blocks are
+        already freed), `EngineDeadError` when the whole loop stopped.
+        """
         finished = False
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -116,7 +139,10 @@ class AsyncEngine:
         entry = self._streams.get(delta.request_id)
         if entry is not None:
             loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, delta)
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, delta)
+            except RuntimeError:  # the caller's event loop is closed: nobody to tell
+                self._streams.pop(delta.request_id, None)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stopped = True
@@ -127,6 +153,17 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def occupancy(self) -> Mapping[str, int]:
+        """`Engine.occupancy()` as of the loop's latest iteration (read-only; never waits)."""
+        return self._occupancy
+
+    @property
+    def seconds_since_progress(self) -> float:
+        """How long ago the loop last finished an iteration. An idle loop iterates every
+        `idle_wait_s`, so a large value means a step or a command is stuck."""
+        return time.monotonic() - self._progress_at
+
     # ---- engine thread -----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -136,11 +173,13 @@ class AsyncEngine:
                 for hook in self.between_steps:
                     hook()
                 if not self.engine.has_unfinished:
+                    self._progressed()
                     self._wakeup.wait(self.idle_wait_s)
                     self._wakeup.clear()
                     continue
                 for delta in self.engine.step(self.layer_hook_for):
                     self.publish(delta)
+                self._progressed()
                 # Hand the GIL over once per step: the serving thread must stream the deltas
                 # out; otherwise it only gets the GIL at forced switches while steps run.
                 time.sleep(0)
@@ -149,8 +188,13 @@ class AsyncEngine:
             self._stopped = True
             error = EngineDeadError(f"engine loop died: {exc!r}")
             for loop, stream in list(self._streams.values()):
-                loop.call_soon_threadsafe(stream.put_nowait, error)
+                with contextlib.suppress(RuntimeError):  # that caller's event loop is closed
+                    loop.call_soon_threadsafe(stream.put_nowait, error)
         self._drain_commands()
+
+    def _progressed(self) -> None:
+        self._occupancy = MappingProxyType(self.engine.occupancy())
+        self._progress_at = time.monotonic()
 
     def _drain_commands(self) -> None:
         while True:

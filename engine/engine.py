@@ -3,11 +3,25 @@
 One step is three calls: `scheduler.schedule()`, `runner.execute(...)`,
 `scheduler.update_from_output(...)`; then new tokens become text. Offline use goes through
 `generate`; servers drive `step` from their own thread (see `engine.async_engine`).
+
+Errors are per request. A step that raises while running the model or sampling fails no
+one at once: with one request in it, that request ends with an error (finish reason
+"error", blocks freed); with several, each is quarantined (`Scheduler.quarantine`: blocks
+freed, output kept) and rerun alone until it passes or fails by itself, so only the culprit
+gets the error and the others' output is unchanged. The exception: prefill-only requests
+whose KV was streaming out in that step fail too (their blocks held until the hand-off's
+release); the decode side retries them elsewhere or prefills locally. A failed step counts
+none of its tokens as computed, so the K/V it may have written sits in blocks that are
+freed before reuse or rewritten by the recompute. Seeded generators are untouched by a
+failed step (`ModelRunner.execute`), so a seeded innocent draws the same tokens as without
+the failure. Only an unusable device (a sticky CUDA error) or a bug outside a request's
+step (in scheduling) escapes `step`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -32,8 +46,9 @@ from engine.request import (
     SamplingParams,
     context_overflow,
 )
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
+logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
 
@@ -106,8 +121,9 @@ class Engine:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        if any(not _is_token_id(t, vocab) for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        params.check_vocab(vocab)
         overflow = context_overflow(len(token_ids), params.max_tokens, self.max_model_len)
         if overflow is not None:
             raise InvalidRequestError(overflow)
@@ -157,10 +173,14 @@ class Engine:
         request = self.scheduler.kv_received(
             request_id, first_token_id, logprobs, num_cached_tokens
         )
-        status = self.scheduler.check_stop(request, first_token_id)
-        if status is not None:
-            self.scheduler.finish_request(request_id, status)
-        return self._emit(request, first_token_id, logprobs, request.is_finished)
+        try:
+            status = self.scheduler.check_stop(request, first_token_id)
+            if status is not None:
+                self.scheduler.finish_request(request_id, status)
+            return self._emit(request, first_token_id, logprobs, request.is_finished)
+        except Exception as exc:  # noqa: BLE001 - this request's text: fail it alone
+            logger.exception("request %s failed on its first token", request_id)
+            return self._fail(request, f"request failed in the engine: {exc!r}")
 
     def kv_failed(self, request_id: str) -> None:
         """Decode pool: the KV will not come; free the reserved blocks (no-op if gone)."""
@@ -179,28 +199,95 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def occupancy(self) -> dict[str, int]:
+        """Block pool and queue sizes, consistent with each other (call it where the
+        scheduler runs: this thread, between steps)."""
+        scheduler = self.scheduler
+        return {
+            "num_blocks": self.kv_spec.num_blocks,
+            "num_free_blocks": self.kv_manager.num_free_blocks,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "num_waiting_for_kv": len(scheduler.waiting_for_kv),
+            "num_held": len(scheduler.held),
+            "num_suspects": len(scheduler.suspects) + (scheduler.on_trial is not None),
+            "num_preemptions": scheduler.num_preemptions,
+            "num_quarantined": scheduler.num_quarantined,
+            "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
+            + sum(r.num_uncomputed_tokens for r in scheduler.running)
+            + sum(r.num_uncomputed_tokens for r in scheduler.suspects),
+        }
+
     # ---- the step --------------------------------------------------------------------
 
     def step(self, layer_hook_for: LayerHookFactory | None = None) -> list[RequestOutput]:
         """Run one scheduler step; return a delta for every request that produced news.
 
         `layer_hook_for(output)` may return a hook called after each layer's K/V of this
-        step are in the cache (the prefill pool streams KV out from there).
+        step are in the cache (the prefill pool streams KV out from there). A request that
+        fails gets a final delta with `error` set (see the module docstring); `step` raises
+        only when the engine as a whole cannot go on.
         """
         start = time.perf_counter()
         output = self.scheduler.schedule()
-        layer_hook = layer_hook_for(output) if layer_hook_for and not output.is_empty else None
-        sampled = self.runner.execute(output, layer_hook)
-        self.step_times.append((start, time.perf_counter() - start))
-        before = {rid: self.scheduler.requests.get(rid) for rid in sampled}
-        finished = {r.request_id for r in self.scheduler.update_from_output(output, sampled)}
+        try:
+            hook = layer_hook_for(output) if layer_hook_for and not output.is_empty else None
+            sampled = self.runner.execute(output, hook)
+        except Exception as exc:  # noqa: BLE001 - charged to the step's requests
+            self._check_device()
+            return self._step_failed(output, exc)
+        finally:
+            self.step_times.append((start, time.perf_counter() - start))
         deltas = []
-        for request_id, (token_id, logprobs) in sampled.items():
-            request = before[request_id]
-            if request is None:
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished:  # aborted while the step ran
                 continue
-            deltas.append(self._emit(request, token_id, logprobs, request_id in finished))
+            sample = sampled.get(request.request_id)
+            try:
+                finished = self.scheduler.update_scheduled(item, sample)
+                if sample is not None:
+                    deltas.append(self._emit(request, sample[0], sample[1], finished))
+            except Exception as exc:  # noqa: BLE001 - this request's bookkeeping or text
+                logger.exception("request %s failed after its step", request.request_id)
+                message = f"request failed in the engine: {exc!r}"
+                deltas.append(self._fail(request, message, _may_stream_kv(item)))
         return deltas
+
+    def _step_failed(self, output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Charge a failed step to its requests: fail a lone one, quarantine several."""
+        scheduled = [item for item in output.scheduled if not item.request.is_finished]
+        if len(scheduled) == 1:
+            item = scheduled[0]
+            logger.warning("request %s failed its step", item.request.request_id, exc_info=exc)
+            message = f"request failed in the engine: {exc!r}"
+            return [self._fail(item.request, message, _may_stream_kv(item))]
+        logger.warning(
+            "a step of %d requests failed (%r); rerunning them one at a time", len(scheduled), exc
+        )
+        deltas = []
+        for item in scheduled:
+            if _may_stream_kv(item):
+                # Its layers may be with a KV sender already: the hand-off cannot be redone
+                # from other blocks, so this attempt ends (the decode side retries it).
+                message = "the step streaming this request's KV failed; retry it"
+                deltas.append(self._fail(item.request, message, hold=True))
+            else:
+                self.scheduler.quarantine(item.request)
+        return deltas
+
+    def _fail(self, request: Request, message: str, hold: bool = False) -> RequestOutput:
+        """End a request with an error (its final delta carries `message`). `hold` keeps the
+        blocks until `release_held` (a KV sender may still be reading them)."""
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED, hold)
+        self._forget(request.request_id)
+        return self._delta(request, [], "", [], error=message)
+
+    def _check_device(self) -> None:
+        """After a failed step: raise if the device itself is unusable (a sticky CUDA error
+        fails every later step too, whoever is in it); the caller must then stop the engine."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _emit(
         self,
@@ -228,6 +315,7 @@ class Engine:
         token_ids: list[int],
         text: str,
         logprobs: list[dict[int, float]],
+        error: str | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
@@ -235,11 +323,12 @@ class Engine:
             new_text=text,
             new_logprobs=logprobs,
             finished=request.is_finished,
-            finish_reason=request.status.finish_reason,
+            finish_reason="error" if error is not None else request.status.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
+            error=error,
         )
 
     def _forget(self, request_id: str) -> None:
@@ -277,3 +366,14 @@ class Engine:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]
+
+
+def _may_stream_kv(item: ScheduledRequest) -> bool:
+    """Whether the prefill pool's layer hook streams `item`'s KV out during its step (the
+    step completing a prefill-only prompt); such blocks stay held until `release_held`,
+    however the step ends, as after a successful prefill."""
+    return item.request.prefill_only and item.samples
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size

@@ -91,7 +91,10 @@ class ModelRunner:
         )
 
     def execute(self, output: SchedulerOutput, layer_hook: LayerHook | None = None) -> Sampled:
-        """Run one step; return request id → (token id, logprobs) for sampling requests."""
+        """Run one step; return request id → (token id, logprobs) for sampling requests.
+
+        If it raises, the seeded requests' generators are as they were before the call.
+        """
         if output.is_empty:
             return {}
         model_input = self.prepare(output)
@@ -108,7 +111,13 @@ class ModelRunner:
         batch = SamplingBatch.from_requests(
             model_input.sampling_requests, self._generators_for(model_input.sampling_requests)
         )
-        result = self.sampler(logits, batch)
+        states = [(g, g.get_state()) for g in batch.generators if g is not None]
+        try:
+            result = self.sampler(logits, batch)
+        except BaseException:
+            for generator, state in states:  # the step is retried: same draws then
+                generator.set_state(state)
+            raise
         return {
             request.request_id: (token_id, logprobs)
             for request, token_id, logprobs in zip(

@@ -2,6 +2,10 @@
 
 Prefill and decode servers are plain classes (Ray Serve wraps them in `app/`), so they are
 constructible and testable without Ray.
+
+Stats and health never wait on the engine thread: they read what the loop published after
+its latest iteration (`AsyncEngine.occupancy`, `seconds_since_progress`), so a replica's
+event loop (the one streaming tokens) answers them at once however busy the engine is.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
+
+# A loop iteration (one step, or the commands between steps) taking longer than this means
+# the engine thread is stuck: the replica reports unhealthy and Serve replaces it.
+STALL_TIMEOUT_S = 120.0
 
 
 def _step_ms(step_times: Sequence[tuple[float, float]]) -> dict[str, float]:
@@ -47,8 +55,15 @@ def replica_name(role: str) -> str:
 class EngineReplica:
     """An engine plus its loop thread; counts what it served."""
 
-    def __init__(self, role: str, config: EngineConfig, kv_cache: KVCache | None = None):
+    def __init__(
+        self,
+        role: str,
+        config: EngineConfig,
+        kv_cache: KVCache | None = None,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+    ) -> None:
         self.role = role
+        self.stall_timeout_s = stall_timeout_s
         self.name = replica_name(role)
         self.engine = Engine(config, kv_cache=kv_cache)
         self.loop = AsyncEngine(self.engine)
@@ -59,47 +74,41 @@ class EngineReplica:
     def model_id(self) -> str:
         return model_id_for(self.engine.model_config, self.engine.model_dir)
 
-    def kv_stats(self) -> dict[str, Any]:
-        """Block pool occupancy; read on the engine thread so the numbers are consistent."""
-        return self.loop.call(self._read_kv_stats).result(timeout=30)
-
-    async def kv_stats_async(self) -> dict[str, Any]:
-        """`kv_stats` without blocking the caller's event loop."""
-        return await self.loop.call_async(self._read_kv_stats)
-
-    def _read_kv_stats(self) -> dict[str, Any]:
-        """Engine thread only."""
-        scheduler = self.engine.scheduler
-        return {
-            "num_blocks": self.engine.kv_spec.num_blocks,
-            "num_free_blocks": self.engine.kv_manager.num_free_blocks,
-            "num_running": len(scheduler.running),
-            "num_waiting": len(scheduler.waiting),
-            "num_waiting_for_kv": len(scheduler.waiting_for_kv),
-            "num_held": len(scheduler.held),
-            "num_preemptions": scheduler.num_preemptions,
-            **_step_ms(list(self.engine.step_times)),
-            "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
-            + sum(r.num_uncomputed_tokens for r in scheduler.running),
-        }
-
     def stats(self) -> dict[str, Any]:
+        """Occupancy as of the engine loop's latest iteration, step timings and counters.
+        Never waits on the engine thread (safe on an event loop)."""
         return {
             "replica": self.name,
             "role": self.role,
-            **self.kv_stats(),
+            **self.loop.occupancy,
+            # deque.copy() is one C call: atomic against the engine thread's appends.
+            **_step_ms(self.engine.step_times.copy()),
+            "engine_alive": self.loop.is_alive,
+            "seconds_since_progress": self.loop.seconds_since_progress,
             "counters": dict(self.counters),
         }
 
     async def routing_stats(self) -> dict[str, Any]:
-        """What the replica-choosing router reads (`record_routing_stats` in Serve)."""
-        kv = await self.kv_stats_async()
+        """What the replica-choosing router reads (`record_routing_stats` in Serve); never
+        waits on the engine thread."""
+        occupancy = self.loop.occupancy
         return {
-            "queued_tokens": kv["queued_tokens"],
-            "num_free_blocks": kv["num_free_blocks"],
-            "num_blocks": kv["num_blocks"],
-            "num_running": kv["num_running"],
+            "queued_tokens": occupancy["queued_tokens"],
+            "num_free_blocks": occupancy["num_free_blocks"],
+            "num_blocks": occupancy["num_blocks"],
+            "num_running": occupancy["num_running"],
         }
+
+    def check_health(self) -> None:
+        """Raise unless the engine loop is alive and not stuck (cheap: reads two fields)."""
+        if not self.loop.is_alive:
+            raise RuntimeError(f"{self.role} engine loop is dead")
+        stalled_s = self.loop.seconds_since_progress
+        if stalled_s > self.stall_timeout_s:
+            raise RuntimeError(
+                f"{self.role} engine loop has made no progress for {stalled_s:.0f} s "
+                f"(limit {self.stall_timeout_s:.0f} s)"
+            )
 
     def shutdown(self) -> None:
         self.loop.shutdown()

@@ -15,6 +15,7 @@ Any state ──abort──▶ FINISHED_ABORTED.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -72,9 +73,33 @@ def context_overflow(num_prompt_tokens: int, max_tokens: int, max_model_len: int
     )
 
 
+# Limits on what one request may ask for, checked wherever SamplingParams are built (the HTTP
+# edge, the handle API, direct engine callers). Stop strings are searched in the output on
+# every step, so their number and length bound per-token work.
+MAX_NUM_STOP_STRINGS = 4  # as OpenAI
+MAX_STOP_STRING_CHARS = 256
+MAX_NUM_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as OpenAI's `seed`
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop. Validated on construction."""
+    """How to pick each next token, and when to stop. Validated on construction.
+
+    Every check that needs no engine is here (types, finiteness, ranges, counts and lengths);
+    that stop token ids are below the vocabulary size is checked where it is known (the
+    frontend and the engine). Raises `InvalidRequestError` whose message starts with the
+    offending field's name.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -93,6 +118,7 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -115,14 +141,69 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"repetition_penalty must be > 0, got {self.repetition_penalty}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InvalidRequestError("seed must be a signed 64-bit integer")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"
             )
+        self._check_stops()
+
+    def _check_types(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise InvalidRequestError(f"{name} must be an integer")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise InvalidRequestError(f"{name} must be an integer or null")
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            # NaN passes every range check (all comparisons are false), inf some of them.
+            if not _is_number(value) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+
+    def _check_stops(self) -> None:
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a tuple of strings")
+        if len(self.stop) > MAX_NUM_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"stop has {len(self.stop)} strings; at most {MAX_NUM_STOP_STRINGS} are allowed"
+            )
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError(
+                f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters long"
+            )
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(_is_int(t) for t in ids):
+            raise InvalidRequestError("stop_token_ids must be a tuple of integers")
+        if len(ids) > MAX_NUM_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"stop_token_ids has {len(ids)} ids; at most {MAX_NUM_STOP_TOKEN_IDS} are allowed"
+            )
+        if any(t < 0 for t in ids):
+            raise InvalidRequestError("stop_token_ids must be >= 0")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `InvalidRequestError` unless every stop token id is below `vocab_size`."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids must be < the vocabulary size {vocab_size}, got {bad[0]}"
+            )
 
     @property
     def is_greedy(self) -> bool:

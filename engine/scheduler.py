@@ -6,11 +6,18 @@ Lifecycle, as queues:
        ▲                            │
        └─────── preempt (recompute) ┘
     waiting_for_kv ──KV received──▶ running      (decode pool: prompt prefilled elsewhere)
+    running ──in a failed step──▶ suspects ──alone, on trial──▶ running once it passes a step
+                                                   that samples (or it fails alone: error)
 
 Each step spends at most `max_num_batched_tokens`: running requests first (one token each
 when decoding, a chunk when still prefilling), then admissions from `waiting`. When KV runs
 out, the least important running request is preempted: its blocks are freed and it is
 recomputed from scratch later (its output so far is kept and recomputed as prompt).
+
+Quarantine: when a step with several requests raises, the engine cannot tell which one
+caused it, so each is preempted the same way into `suspects`. Suspects then run one at a
+time, each alone in its step (the "trial"), until it passes a step in which it samples; no
+new request is admitted meanwhile, so the suspects get the blocks that running requests free.
 """
 
 from __future__ import annotations
@@ -61,17 +68,20 @@ class Scheduler:
         # Prefill pool: finished requests whose blocks stay until their KV is handed off.
         self.held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self.suspects: deque[Request] = deque()  # quarantined: each waits to run alone
+        self.on_trial: Request | None = None  # the suspect now running alone, if any
         self.num_preemptions = 0  # since start, for stats and tests
+        self.num_quarantined = 0
 
     # ---- admission -------------------------------------------------------------------
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.suspects)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.suspects)
 
     def add_request(self, request: Request) -> None:
         """Queue a request for local prefill then decode (or prefill-only hand-off)."""
@@ -141,6 +151,10 @@ class Scheduler:
     # ---- the step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.on_trial is not None or self.suspects:
+            trial = self._schedule_trial()
+            if trial is not None:
+                return trial
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -165,9 +179,57 @@ class Scheduler:
                 continue
             # `request` itself was preempted; the list shifted, `i` now points at the next.
 
-        if not out.preempted_ids:
+        if not out.preempted_ids and not self.suspects:
             self._admit_waiting(out, budget)
         return out
+
+    def _schedule_trial(self) -> SchedulerOutput | None:
+        """A step holding only the suspect on trial (the first suspect starts one when its
+        next chunk fits); None when no suspect fits now: the running requests go on."""
+        out = SchedulerOutput()
+        budget = min(self.config.max_num_batched_tokens, self.config.long_prefill_token_threshold)
+        request = self.on_trial
+        if request is None:
+            request = self.suspects[0]
+            computed, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, computed) is None:
+                return None
+            self.suspects.popleft()
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.on_trial = request
+        else:
+            num_new = min(request.num_uncomputed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                others = [r for r in self.running if r is not request]
+                if not others:  # not even alone, now: wait in front of the suspects
+                    self.quarantine(request)
+                    out.preempted_ids.append(request.request_id)
+                    return out
+                victim = max(others, key=lambda r: (r.priority, r.arrival_time))
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+        out.scheduled.append(
+            ScheduledRequest(request, num_new, self.kv.block_table(request.request_id))
+        )
+        return out
+
+    def quarantine(self, request: Request) -> None:
+        """Engine, after a failed step with several requests: free `request`'s blocks (its
+        output is kept) and queue it to be recomputed alone, as a suspect."""
+        if self.on_trial is request:
+            self.on_trial = None
+            self.suspects.appendleft(request)
+        else:
+            self.suspects.append(request)
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_quarantined += 1
+        request.status = RequestStatus.PREEMPTED
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -214,20 +276,31 @@ class Scheduler:
         """
         finished: list[Request] = []
         for item in output.scheduled:
-            request = item.request
-            if request.is_finished:  # aborted while the step ran
-                continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_blocks(request)
-            if request.request_id not in sampled:
-                continue
-            token_id, logprobs = sampled[request.request_id]
-            request.append_output_token(token_id, logprobs)
-            status = self.check_stop(request, token_id)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-                finished.append(request)
+            if self.update_scheduled(item, sampled.get(item.request.request_id)):
+                finished.append(item.request)
         return finished
+
+    def update_scheduled(
+        self, item: ScheduledRequest, sample: tuple[int, dict[int, float] | None] | None
+    ) -> bool:
+        """`update_from_output` for one scheduled request (`sample`: its token and logprobs,
+        if it sampled). Returns True when the request finished with this step."""
+        request = item.request
+        if request.is_finished:  # aborted while the step ran
+            return False
+        request.num_computed_tokens += item.num_new_tokens
+        self.kv.cache_blocks(request)
+        if sample is None:
+            return False
+        if self.on_trial is request:  # passed a step that samples: no longer suspect
+            self.on_trial = None
+        token_id, logprobs = sample
+        request.append_output_token(token_id, logprobs)
+        status = self.check_stop(request, token_id)
+        if status is None:
+            return False
+        self.finish_request(request.request_id, status)
+        return True
 
     def check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """The finished status `token_id` (just appended) puts the request in, if any."""
@@ -245,20 +318,28 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request in any state (also aborts); frees its blocks unless held for hand-off."""
+    def finish_request(
+        self, request_id: str, status: RequestStatus, hold: bool = False
+    ) -> Request | None:
+        """End a request in any state (also aborts); frees its blocks unless held for hand-off
+        (FINISHED_PREFILLED, or `hold`: until `release_held`)."""
         assert status.is_finished
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if self.on_trial is request:
+            self.on_trial = None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(request)
+            if request in self.suspects:
+                self.suspects.remove(request)
+            else:
+                self.waiting.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_KV:
             del self.waiting_for_kv[request_id]
         request.status = status
-        if status == RequestStatus.FINISHED_PREFILLED:
+        if status == RequestStatus.FINISHED_PREFILLED or hold:
             self.held[request_id] = request
         else:
             self.kv.free(request)

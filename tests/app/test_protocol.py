@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
 import openai.types
@@ -13,12 +14,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app import errors
+from app.handle import GenerateRequest
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
     choice_sampling_params,
+    parse_json_object,
 )
 from engine.request import InvalidRequestError, SamplingParams
 
@@ -111,17 +114,51 @@ def test_unsupported_chat_features_are_400() -> None:
         ({"logprobs": 6}, "logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": None}, "prompt"),
-        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt.1"),
+        ({"prompt": [1, "a"]}, "prompt.1"),
         ({"prompt": []}, "prompt"),
+        ({"prompt": 3}, "prompt"),
         ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"logit_bias": {"1": float("nan")}}, "logit_bias.1"),
+        ({"stop": ""}, "stop"),
+        ({"stop": [""]}, "stop.0"),
+        ({"stop": "x" * 257}, "stop"),
+        ({"stop": ["a", "x" * 257]}, "stop.1"),
+        ({"stop": 3}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"best_of": 0}, "best_of"),
+        ({"user": "u" * 257}, "user"),
     ],
 )
-def test_bad_completion_fields_are_422_naming_the_field(fields: dict[str, Any], param: str) -> None:
+def test_bad_completion_fields_are_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
     status, error = validation_error(completion, **fields)
-    assert status == 422
+    assert status == 400
     assert error["type"] == "invalid_request_error"
-    assert error["param"] is not None and error["param"].startswith(param)
-    assert error["message"].startswith(param)
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}: ")
+
+
+def test_limits_at_the_bounds_are_accepted() -> None:
+    req = completion(
+        stop=["a", "b", "c", "x" * 256],
+        stop_token_ids=list(range(64)),
+        seed=2**63 - 1,
+        top_k=-1,
+        user="u" * 256,
+        best_of=1,
+    )
+    params = req.to_sampling_params(16)
+    assert len(params.stop) == 4 and len(params.stop_token_ids) == 64
+    assert completion(seed=-(2**63)).to_sampling_params(16).seed == -(2**63)
 
 
 def test_missing_fields_are_named() -> None:
@@ -134,7 +171,7 @@ def test_missing_fields_are_named() -> None:
 
 def test_bad_chat_role_message() -> None:
     status, error = validation_error(chat, messages=[{"role": "robot", "content": "x"}])
-    assert status == 422
+    assert status == 400
     assert error["message"] == "messages.0.role: Input should be 'system', 'user' or 'assistant'"
     assert error["param"] == "messages.0.role"
     _, error = validation_error(chat, messages=[{"role": "user", "content": 3}])
@@ -148,13 +185,20 @@ def test_bad_chat_role_message() -> None:
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 3}, "top_logprobs: requires logprobs to be true"),
         ({"logprobs": 1}, "logprobs"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content.0: content parts of type 'image_url' are not supported",
+        ),
+        ({"messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+        ({"messages": "hi"}, "messages: Input should be a valid list"),
     ],
 )
-def test_bad_chat_fields_are_422(fields: dict[str, Any], needle: str) -> None:
+def test_bad_chat_fields_are_400(fields: dict[str, Any], needle: str) -> None:
     status, error = validation_error(chat, **fields)
-    assert status == 422
+    assert status == 400
     assert needle in error["message"]
+    assert error["param"] is not None and needle.startswith(error["param"])
 
 
 def test_json_parsing_is_strict_too() -> None:
@@ -217,7 +261,9 @@ def test_chat_to_sampling_params() -> None:
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": 20}, "min_tokens"),
-        ({"stop": [""]}, "stop"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ],
 )
 def test_out_of_range_values_are_400(fields: dict[str, Any], param: str) -> None:
@@ -325,7 +371,7 @@ def test_installed_handlers_shape_every_error() -> None:
     client = TestClient(app, raise_server_exceptions=False)
     cases = [
         (client.post("/v1/completions", json={"model": "m", "prompt": "x"}), 200, None),
-        (client.post("/v1/completions", json={"model": "m", "prompt": 3}), 422, None),
+        (client.post("/v1/completions", json={"model": "m", "prompt": 3}), 400, None),
         (
             client.post("/v1/completions", json={"model": "m", "prompt": "x", "echo": True}),
             400,
@@ -349,3 +395,117 @@ def test_installed_handlers_shape_every_error() -> None:
 
 
 JSON = {"content-type": "application/json"}
+
+
+# ------------------------------------------------------------------------------ body parsing
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"", "Expecting value"),
+        (b"hello", "Expecting value"),
+        (b'{"model": "m", "prompt": ', "Expecting value"),
+        (b"[1, 2]", "must be a JSON object, got list"),
+        (b'"hi"', "must be a JSON object, got str"),
+        (b"null", "must be a JSON object, got NoneType"),
+        (b"[" * DEEP + b"]" * DEEP, "nested too deeply"),
+        (b'{"a":' * DEEP + b"1" + b"}" * DEEP, "nested too deeply"),
+        (b'{"seed": 1' + b"0" * 5000 + b"}", "integer string conversion"),
+        (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+    ],
+    ids=[
+        "empty",
+        "not-json",
+        "truncated",
+        "array",
+        "string",
+        "null",
+        "deep-arrays",
+        "deep-objects",
+        "huge-int",
+        "bad-utf8",
+    ],
+)
+def test_malformed_bodies_are_400(raw: bytes, needle: str) -> None:
+    with pytest.raises(errors.BadRequestError) as info:
+        parse_json_object(raw)
+    status, body = errors.error_response(info.value)
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("malformed JSON: ")
+    assert needle in body["error"]["message"]
+
+
+def test_well_formed_body_parses() -> None:
+    assert parse_json_object(b'{"model": "m", "n": 2, "stop": ["\\u00e9"]}') == {
+        "model": "m",
+        "n": 2,
+        "stop": ["é"],
+    }
+
+
+# ----------------------------------------------------------------------------- handle API
+
+
+def test_generate_request_maps_min_tokens_and_validates() -> None:
+    req = GenerateRequest(prompt="hi", max_tokens=8, min_tokens=3, stop_token_ids=[5])
+    assert req.to_sampling_params() == SamplingParams(
+        max_tokens=8, min_tokens=3, stop_token_ids=(5,)
+    )
+    for fields in (
+        {"temperature": float("nan")},
+        {"repetition_penalty": float("inf")},
+        {"stop_token_ids": [-1]},
+        {"stop_token_ids": list(range(65))},
+        {"stop": ["a"] * 5},
+        {"stop": ["x" * 257]},
+        {"min_tokens": -1},
+        {"seed": 2**64},
+        {"prompt_token_ids": [1, -1], "prompt": None},
+    ):
+        with pytest.raises(pydantic.ValidationError):
+            GenerateRequest.model_validate({"prompt": "hi", **fields})
+    with pytest.raises(InvalidRequestError, match="^min_tokens"):
+        GenerateRequest(prompt="hi", max_tokens=2, min_tokens=3).to_sampling_params()
+
+
+# ------------------------------------------------------------------------ errors over Ray
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        errors.BadRequestError("bad", param="stop_token_ids"),
+        errors.ModelNotFoundError("gpt-9"),
+        errors.AuthenticationError(),
+        errors.RateLimitError("slow", retry_after_s=2),
+        errors.ReplicaLostError(),
+    ],
+)
+def test_api_errors_survive_pickling(exc: errors.APIError) -> None:
+    """Handle-API callers get the error through Ray: class, message, param, code intact."""
+    copy = pickle.loads(pickle.dumps(exc))
+    assert type(copy) is type(exc)
+    assert copy.to_body() == exc.to_body()
+    assert copy.headers == exc.headers
+    assert str(copy) == str(exc)
+
+
+def test_replica_lost_is_a_clear_503() -> None:
+    status, body = errors.error_response(errors.ReplicaLostError())
+    assert status == 503
+    assert body["error"] == {
+        "message": "the replica serving this request was lost; retry the request",
+        "type": "service_unavailable_error",
+        "param": None,
+        "code": "replica_lost",
+    }
+
+
+def test_invalid_request_error_names_its_field() -> None:
+    exc = errors.bad_request(InvalidRequestError("stop_token_ids must be >= 0"))
+    assert (exc.status_code, exc.param) == (400, "stop_token_ids")
+    assert errors.bad_request(InvalidRequestError("something else")).param is None

@@ -177,3 +177,96 @@ def test_random_workloads_finish_or_abort_without_leaks(specs, num_blocks, budge
         if request.status == RequestStatus.FINISHED_LENGTH:
             assert request.num_output_tokens == request.sampling_params.max_tokens
     assert scheduler.kv.num_free_blocks == num_blocks
+
+
+def quarantine_step(scheduler: Scheduler) -> list[str]:
+    """A step that fails with several requests in it: each is quarantined (as the engine
+    does). Returns the quarantined ids."""
+    out = scheduler.schedule()
+    assert len(out.scheduled) > 1
+    for item in out.scheduled:
+        scheduler.quarantine(item.request)
+    return [item.request.request_id for item in out.scheduled]
+
+
+def test_quarantined_requests_run_alone_until_they_sample() -> None:
+    scheduler = make_scheduler(num_blocks=64, budget=32, chunk=16)
+    scheduler.add_request(make_request("long", 40, max_tokens=2))
+    scheduler.add_request(make_request("short", 10, max_tokens=2))
+    assert quarantine_step(scheduler) == ["long", "short"]
+    assert scheduler.kv.num_free_blocks == 64 and scheduler.num_quarantined == 2
+    scheduler.add_request(make_request("late", 4, max_tokens=2))
+
+    steps = []
+    for _ in range(20):
+        out = scheduler.schedule()
+        steps.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
+        run_sampled = {s.request.request_id: (5, None) for s in out.scheduled if s.samples}
+        scheduler.update_from_output(out, run_sampled)
+        if not scheduler.has_work:
+            break
+    # "long" is recomputed alone, chunk by chunk, until it samples; then "short" alone (its
+    # first 8 tokens are long's prefix, cached); only then do the innocents run together
+    # again and "late" is admitted.
+    assert steps[:4] == [[("long", 16)], [("long", 16)], [("long", 8)], [("short", 2)]]
+    assert steps[4] == [("long", 1), ("short", 1), ("late", 4)]
+    assert not scheduler.has_work and scheduler.kv.num_free_blocks == 64
+
+
+def test_abort_of_a_suspect_frees_it() -> None:
+    scheduler = make_scheduler(num_blocks=16)
+    for rid in ("a", "b", "c"):
+        scheduler.add_request(make_request(rid, 6))
+    quarantine_step(scheduler)
+    run_step(scheduler)  # "a" on trial: it sampled, so it is cleared
+    out = scheduler.schedule()  # "b" on trial now
+    assert [s.request.request_id for s in out.scheduled] == ["b"] and scheduler.on_trial
+    for rid in ("b", "c", "a"):
+        assert scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED) is not None
+    assert scheduler.on_trial is None and not scheduler.suspects and not scheduler.has_work
+    assert scheduler.kv.num_free_blocks == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 6)), min_size=2, max_size=8),
+    st.integers(8, 24),
+    st.integers(4, 40),
+    st.integers(0, 7),
+)
+def test_random_workloads_with_a_culprit(specs, num_blocks, budget, culprit_index):
+    """A fake model fails every step the culprit is in, with the engine's policy (fail a
+    lone request, quarantine several): only the culprit fails, no block leaks."""
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, budget=budget, chunk=budget)
+    requests = []
+    for i, (num_prompt, max_tokens) in enumerate(specs):
+        if -(-(num_prompt + max_tokens) // 4) > num_blocks:
+            continue
+        request = make_request(f"r{i}", num_prompt, max_tokens, arrival_time=float(i))
+        scheduler.add_request(request)
+        requests.append(request)
+    culprit = requests[culprit_index % len(requests)].request_id if requests else None
+    for _ in range(1000):
+        out = scheduler.schedule()
+        ids = [s.request.request_id for s in out.scheduled]
+        if scheduler.on_trial is not None:
+            assert ids == [scheduler.on_trial.request_id]
+        if culprit in ids:
+            if len(ids) == 1:
+                scheduler.finish_request(culprit, RequestStatus.FINISHED_ABORTED)
+            else:
+                for item in out.scheduled:
+                    scheduler.quarantine(item.request)
+            continue
+        sampled = {s.request.request_id: (5, None) for s in out.scheduled if s.samples}
+        scheduler.update_from_output(out, sampled)
+        if not scheduler.has_work:
+            break
+    assert not scheduler.has_work
+    for request in requests:
+        if request.request_id == culprit:
+            assert request.status == RequestStatus.FINISHED_ABORTED
+        else:
+            assert request.status == RequestStatus.FINISHED_LENGTH
+            assert request.num_output_tokens == request.sampling_params.max_tokens
+    assert scheduler.kv.num_free_blocks == num_blocks

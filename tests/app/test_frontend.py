@@ -1,0 +1,118 @@
+"""The frontend's failure mapping (app/frontend.py): what a caller sees when a decode replica
+dies under its request or the engine fails the request alone.
+
+The decode pool is a stand-in handle that streams one delta and then raises what Ray raises
+in those cases; everything else (config, tokenizer, router) is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from app.config import load_config
+from app.errors import InternalServerError, ReplicaLostError, error_response
+from app.frontend import Frontend
+from decode.protocol import GenerationSpec
+from engine.builtin import write_builtin_model
+from engine.outputs import RequestFailedError, RequestOutput
+from engine.request import InvalidRequestError, SamplingParams
+
+
+class _Stream:
+    """A decode stream: one delta, then `error`."""
+
+    def __init__(self, spec: GenerationSpec, error: BaseException) -> None:
+        self.spec = spec
+        self.error = error
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[RequestOutput]:
+        yield RequestOutput(self.spec.request_id, [5], "x", [], False, None, 3, 1)
+        raise self.error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _DyingDecodePool:
+    """Stands in for a decode pool's DeploymentHandle whose replica fails mid-stream."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.generate = self
+
+    def options(self, stream: bool) -> _DyingDecodePool:
+        return self
+
+    def remote(self, spec: GenerationSpec) -> _Stream:
+        return _Stream(spec, self.error)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_builtin_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+def frontend(model_dir: Path, error: BaseException) -> Frontend:
+    config = load_config(
+        {
+            "model": {"model": str(model_dir)},
+            "pools": [
+                {"name": "prefill", "role": "prefill"},
+                {"name": "decode", "role": "decode"},
+            ],
+        }
+    )
+    return Frontend(config, {"decode": _DyingDecodePool(error)})
+
+
+async def run_to_error(front: Frontend) -> tuple[list[str], BaseException]:
+    prompt_ids = await front.tokenize_prompt("hello")
+    prepared = front.prepare(None, prompt_ids, SamplingParams(max_tokens=4))
+    texts: list[str] = []
+    with pytest.raises(Exception) as info:
+        async for _, delta in front.run(prepared):
+            texts.append(delta.new_text)
+    assert front.in_flight[prepared.tenant] == 0
+    return texts, info.value
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ActorDiedError(), ActorUnavailableError("replica unreachable", None)],
+    ids=["died", "unavailable"],
+)
+def test_lost_decode_replica_is_a_503_replica_lost(model_dir: Path, error: Exception) -> None:
+    texts, raised = asyncio.run(run_to_error(frontend(model_dir, error)))
+    assert texts == ["x"]  # what streamed before the loss was delivered
+    assert isinstance(raised, ReplicaLostError)
+    status, body = error_response(raised)
+    assert status == 503
+    assert body["error"]["code"] == "replica_lost"
+    assert "retry" in body["error"]["message"]
+
+
+def test_request_failed_in_engine_is_a_500_naming_it(model_dir: Path) -> None:
+    error = RequestFailedError("sampler raised IndexError")
+    _, raised = asyncio.run(run_to_error(frontend(model_dir, error)))
+    assert isinstance(raised, InternalServerError)
+    status, body = error_response(raised)
+    assert (status, body["error"]["code"]) == (500, "request_failed")
+    assert "IndexError" not in body["error"]["message"]  # engine internals stay in the logs
+
+
+def test_stop_token_ids_are_checked_against_the_vocabulary(model_dir: Path) -> None:
+    front = frontend(model_dir, ActorDiedError())
+    vocab = front.model_config.vocab_size
+    front.check_params(SamplingParams(stop_token_ids=(vocab - 1,)))
+    for bad in (vocab, 10**9):
+        with pytest.raises(InvalidRequestError, match="^stop_token_ids"):
+            front.prepare(None, [1, 2], SamplingParams(stop_token_ids=(bad,), min_tokens=1))

@@ -1,0 +1,311 @@
+"""One request's failure stays that request's: the others finish token-identical, blocks come
+back, the engine loop keeps serving; stats and health never wait on the engine thread.
+
+The culprit is a `Request` built past `Engine.make_request` (as a caller bypassing
+validation would): a stop token id outside the vocabulary with `min_tokens`, which makes
+the sampler index the logits out of range.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.builtin import write_builtin_model
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
+from engine.replica import EngineReplica
+from engine.request import InvalidRequestError, Request, SamplingParams
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+
+PROMPTS = [
+    "hello",
+    "a much longer prompt that spans several KV cache blocks of sixteen tokens each, "
+    "so that paging, block tables and the slot mapping all matter",
+    "short",
+]
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+OUT_OF_VOCAB = 1_000_000_000
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_builtin_model(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> list[list[int]]:
+    """`transformers` greedy generation, one prompt at a time."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    engine = Engine(EngineConfig(model_dir=str(model_dir)))
+    outputs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([engine.tokenize(prompt)])
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
+            )
+        outputs.append(out[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+@pytest.fixture()
+def engine(model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model_dir=str(model_dir)))
+
+
+def bad_request(engine: Engine, request_id: str = "bad", prefill_only: bool = False) -> Request:
+    """Passes `SamplingParams` but not `make_request`: the sampler fails on it."""
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, stop_token_ids=(OUT_OF_VOCAB,), min_tokens=1
+    )
+    return Request(request_id, engine.tokenize("x y z"), params, prefill_only=prefill_only)
+
+
+def run_until_done(engine: Engine, outputs: dict[str, CompletionOutput]) -> None:
+    while engine.has_unfinished:
+        for delta in engine.step():
+            outputs[delta.request_id].add(delta)
+
+
+def add_all(engine: Engine, requests: list[Request]) -> dict[str, CompletionOutput]:
+    outputs = {}
+    for request in requests:
+        engine.add_request(request)
+        outputs[request.request_id] = CompletionOutput(request.request_id, [])
+    return outputs
+
+
+def assert_all_blocks_free(engine: Engine) -> None:
+    assert engine.kv_manager.num_free_blocks == engine.kv_spec.num_blocks
+    assert not engine.scheduler.requests and not engine.scheduler.held
+
+
+# ---- validation at the engine's edge ---------------------------------------------------
+
+
+def test_make_request_rejects_out_of_vocab_ids(engine: Engine) -> None:
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.make_request("hi", SamplingParams(stop_token_ids=(vocab,)))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.make_request("hi", SamplingParams(stop_token_ids=(OUT_OF_VOCAB,), min_tokens=1))
+    for prompt in ([1, vocab], [-1, 2], [1, 2.0], [True]):
+        with pytest.raises(InvalidRequestError, match="prompt token ids"):
+            engine.make_request(prompt, GREEDY)  # type: ignore[arg-type]
+    engine.make_request([0, vocab - 1], SamplingParams(stop_token_ids=(vocab - 1,)))
+
+
+# ---- the sync step loop ----------------------------------------------------------------
+
+
+def test_culprit_in_a_batch_fails_alone(engine: Engine, expected: list[list[int]]) -> None:
+    good = [engine.make_request(p, GREEDY) for p in PROMPTS]
+    requests = [good[0], bad_request(engine), *good[1:]]
+    outputs = add_all(engine, requests)
+    run_until_done(engine, outputs)
+
+    assert [outputs[r.request_id].token_ids for r in good] == expected
+    assert all(outputs[r.request_id].finish_reason == "length" for r in good)
+    bad = outputs["bad"]
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert bad.error is not None and "IndexError" in bad.error
+    # Everyone was in the failing step (the first one), so everyone was rerun alone.
+    assert engine.scheduler.num_quarantined == len(requests)
+    assert_all_blocks_free(engine)
+    # The engine goes on serving.
+    assert [o.token_ids for o in engine.generate(PROMPTS[:1], GREEDY)] == expected[:1]
+    assert_all_blocks_free(engine)
+
+
+def test_culprit_joining_running_requests(engine: Engine, expected: list[list[int]]) -> None:
+    """Innocents that already decoded some tokens are recomputed and go on unchanged."""
+    good = [engine.make_request(p, GREEDY) for p in PROMPTS]
+    outputs = add_all(engine, good)
+    for _ in range(4):
+        for delta in engine.step():
+            outputs[delta.request_id].add(delta)
+    assert all(0 < r.num_output_tokens < MAX_TOKENS for r in good)
+    outputs |= add_all(engine, [bad_request(engine)])
+    run_until_done(engine, outputs)
+
+    assert [outputs[r.request_id].token_ids for r in good] == expected
+    assert outputs["bad"].finish_reason == "error"
+    assert engine.scheduler.num_quarantined == len(good) + 1
+    assert_all_blocks_free(engine)
+
+
+def test_culprit_alone_fails_at_once(engine: Engine) -> None:
+    engine.add_request(bad_request(engine))
+    deltas = engine.step()
+    assert [(d.request_id, d.finished, d.finish_reason) for d in deltas] == [("bad", True, "error")]
+    assert not engine.has_unfinished and engine.scheduler.num_quarantined == 0
+    assert_all_blocks_free(engine)
+
+
+def test_failed_prefill_only_request_holds_blocks_until_released(engine: Engine) -> None:
+    """Its KV may have been streamed out in the failed step: the blocks stay until the
+    hand-off's release, as after a successful prefill."""
+    outputs = add_all(engine, [bad_request(engine, prefill_only=True)])
+    run_until_done(engine, outputs)
+    assert outputs["bad"].finish_reason == "error"
+    assert list(engine.scheduler.held) == ["bad"]
+    assert engine.kv_manager.num_free_blocks < engine.kv_spec.num_blocks
+    engine.scheduler.release_held("bad")
+    assert_all_blocks_free(engine)
+
+
+def test_prefill_only_innocent_streaming_kv_fails_and_holds(engine: Engine) -> None:
+    """A prefill-only request completing its prompt in the failed step may have had layers
+    streamed out: it fails too (the decode side retries it), its blocks held until release."""
+    innocent = engine.make_request(PROMPTS[0], GREEDY, request_id="p", prefill_only=True)
+    outputs = add_all(engine, [innocent, bad_request(engine)])
+    run_until_done(engine, outputs)
+    assert outputs["p"].finish_reason == "error" and outputs["bad"].finish_reason == "error"
+    assert outputs["bad"].error is not None and "IndexError" in outputs["bad"].error
+    assert list(engine.scheduler.held) == ["p"]
+    engine.scheduler.release_held("p")
+    assert_all_blocks_free(engine)
+
+
+class FailOnceAfterSampling(Sampler):
+    """Test fault: the first call samples (advancing seeded generators), then raises."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        result = super().__call__(logits, batch)
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected failure after sampling")
+        return result
+
+
+def test_seeded_innocents_draw_the_same_tokens(engine: Engine, model_dir: Path) -> None:
+    """A failed step leaves seeded generators as they were, so rerun innocents sample the
+    same tokens as in a run without the failure."""
+    seeded = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i) for i in range(3)]
+    clean = Engine(EngineConfig(model_dir=str(model_dir))).generate(PROMPTS, seeded)
+
+    engine.runner.sampler = FailOnceAfterSampling()
+    outputs = engine.generate(PROMPTS, seeded)
+    assert engine.scheduler.num_quarantined == len(PROMPTS)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in clean]
+    assert all(o.error is None for o in outputs)
+    assert_all_blocks_free(engine)
+
+
+# ---- the async loop --------------------------------------------------------------------
+
+
+@pytest.fixture()
+def async_engine(engine: Engine) -> Iterator[AsyncEngine]:
+    loop = AsyncEngine(engine)
+    yield loop
+    loop.shutdown()
+
+
+async def collect(loop: AsyncEngine, request_id: str, stream: asyncio.Queue) -> list[int]:
+    tokens: list[int] = []
+    async for delta in loop.stream(request_id, stream):
+        tokens.extend(delta.new_token_ids)
+    return tokens
+
+
+def test_async_culprit_fails_its_stream_only(
+    async_engine: AsyncEngine, expected: list[list[int]]
+) -> None:
+    loop, engine = async_engine, async_engine.engine
+
+    async def run() -> None:
+        good = [engine.make_request(p, GREEDY) for p in PROMPTS]
+        requests = [*good, bad_request(engine)]
+        streams = {r.request_id: loop.open_stream(r.request_id) for r in requests}
+        # One command, so that all of them are in the first (failing) step.
+        await loop.call_async(lambda: [engine.add_request(r) for r in requests])
+        results = await asyncio.gather(
+            *(collect(loop, rid, s) for rid, s in streams.items()), return_exceptions=True
+        )
+        assert results[:-1] == expected
+        assert isinstance(results[-1], RequestFailedError) and "IndexError" in str(results[-1])
+
+        # Still serving; the snapshot shows every block free one iteration after the end.
+        later = engine.make_request(PROMPTS[0], GREEDY)
+        assert [t async for d in loop.generate(later) for t in d.new_token_ids] == expected[0]
+        await loop.call_async(lambda: None)
+        assert loop.occupancy["num_free_blocks"] == loop.occupancy["num_blocks"]
+        assert loop.occupancy["num_running"] == 0
+        free = await loop.call_async(lambda: engine.kv_manager.num_free_blocks)
+        assert free == engine.kv_spec.num_blocks
+
+    asyncio.run(run())
+    assert loop.is_alive
+    assert engine.scheduler.num_quarantined == len(PROMPTS) + 1
+
+
+def test_async_failure_delta_carries_the_error(async_engine: AsyncEngine) -> None:
+    loop, engine = async_engine, async_engine.engine
+
+    async def run() -> RequestOutput:
+        request = bad_request(engine)
+        stream = loop.open_stream(request.request_id)
+        await loop.call_async(lambda: engine.add_request(request))
+        return await stream.get()
+
+    delta = asyncio.run(run())
+    assert delta.finished and delta.finish_reason == "error" and delta.error
+    assert loop.is_alive
+
+
+# ---- replica stats and health ----------------------------------------------------------
+
+
+@pytest.fixture()
+def replica(model_dir: Path) -> Iterator[EngineReplica]:
+    replica = EngineReplica("test", EngineConfig(model_dir=str(model_dir)), stall_timeout_s=1.0)
+    yield replica
+    replica.shutdown()
+
+
+def test_stats_and_health_do_not_wait_on_a_stuck_engine(replica: EngineReplica) -> None:
+    replica.check_health()
+    release = threading.Event()
+    stuck = replica.loop.call(release.wait)  # the engine thread is busy until released
+    try:
+        stats = replica.stats()  # answered from the snapshot while the engine is stuck
+        assert stats["num_free_blocks"] == stats["num_blocks"] == replica.engine.kv_spec.num_blocks
+        assert stats["role"] == "test" and stats["engine_alive"] is True
+        assert asyncio.run(replica.routing_stats())["num_running"] == 0
+        while replica.loop.seconds_since_progress <= replica.stall_timeout_s:
+            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="no progress"):
+            replica.check_health()
+    finally:
+        release.set()
+    stuck.result()
+    replica.loop.call(lambda: None).result()
+    replica.check_health()
+
+
+def test_health_fails_when_the_loop_dies(replica: EngineReplica) -> None:
+    def broken_hook() -> None:
+        raise RuntimeError("injected loop-level failure")
+
+    replica.loop.between_steps.append(broken_hook)  # runs on every iteration, idle or not
+    while replica.loop.is_alive:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="dead"):
+        replica.check_health()
+    with pytest.raises(EngineDeadError):
+        replica.loop.call(lambda: None)
