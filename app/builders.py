@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Protocol
 
-from app.protocol import (
+from app.responses import (
     ChatChoice,
     ChatChoiceLogprobs,
     ChatChunkChoice,

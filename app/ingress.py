@@ -39,15 +39,8 @@ from app.errors import (
 )
 from app.frontend import Frontend, PreparedRequest
 from app.handle import GenerateChunk, GenerateRequest
-from app.protocol import (
-    SSE_DONE,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    parse_json_object,
-    sse_event,
-)
+from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
+from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
 from engine.request import InvalidRequestError
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The OpenAI API subset pdserve serves: request and response models.
+"""The OpenAI API subset pdserve serves: request models (responses: `app.responses`).
 
 Wire format follows the official `openai` client's types (`openai.types.Completion`,
 `openai.types.chat.ChatCompletion`, `ChatCompletionChunk`, `Model`). A body is parsed by
@@ -9,7 +9,7 @@ do not implement (`echo`, batched prompts, `tools`, JSON mode, ...) raise
 `UnsupportedFeatureError` (400) out of validation, and out-of-range sampling values raise
 `engine.request.InvalidRequestError` (400) from `to_sampling_params`.
 
-Responses are built from engine output by `app.builders`.
+Responses (`app.responses`) are built from engine output by `app.builders`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -41,8 +39,6 @@ from engine.request import (
     SamplingParams,
 )
 
-SSE_DONE = "data: [DONE]\n\n"
-FinishReason = Literal["stop", "length", "abort"]
 MAX_USER_CHARS = 256  # the `user` and message `name` strings (logged, never used)
 
 # ---------------------------------------------------------------------------------- requests
@@ -285,151 +281,3 @@ def choice_sampling_params(params: SamplingParams, index: int) -> SamplingParams
     if params.seed is None or index == 0:
         return params
     return dataclasses.replace(params, seed=params.seed + index)
-
-
-# --------------------------------------------------------------------------------- responses
-
-
-class PromptTokensDetails(BaseModel):
-    """Breakdown of the prompt tokens."""
-
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    """Token counts of a whole response (the prompt is counted once for n choices)."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    text_offset: list[int] = []
-
-
-class CompletionChoice(BaseModel):
-    """One choice of a completion (or its new text, in a streamed chunk)."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class Completion(BaseModel):
-    """A completion response; streamed chunks have the same shape."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    """One alternative token at a position."""
-
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    """The sampled token at a position, and the most likely alternatives."""
-
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatChoiceLogprobs(BaseModel):
-    """Logprobs of a chat choice's content."""
-
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatMessage(BaseModel):
-    """The assistant's reply."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    """One choice of a chat completion."""
-
-    index: int
-    message: ChatMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletion(BaseModel):
-    """A (non-streamed) chat completion response."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class ChatDelta(BaseModel):
-    """What a chunk adds to a choice's message; unset fields are left out of the JSON."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    """One choice's part of a streamed chat chunk."""
-
-    index: int
-    delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    """One entry of GET /v1/models."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pdserve"
-
-
-class ModelList(BaseModel):
-    """GET /v1/models."""
-
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def sse_event(obj: BaseModel | Mapping[str, object]) -> str:
-    """One server-sent event: `data: {json}\\n\\n`."""
-    if isinstance(obj, BaseModel):
-        return f"data: {obj.model_dump_json()}\n\n"
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings, _byte_level_chars
-from app.protocol import SSE_DONE, sse_event
+from app.responses import SSE_DONE, sse_event
 from engine.outputs import RequestOutput
 
 

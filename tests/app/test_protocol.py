@@ -18,11 +18,10 @@ from app.handle import GenerateRequest
 from app.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     choice_sampling_params,
     parse_json_object,
 )
+from app.responses import ModelCard, ModelList
 from engine.request import InvalidRequestError, SamplingParams
 
 
