@@ -7,6 +7,7 @@ replica holds handles to every prefill pool), and the HTTP ingress in front.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from ray import serve
@@ -57,7 +58,9 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     config.resolve_tenant_keys()
     config.resolve_admin_keys()
     engine_config = config.model.to_engine_config()
-    options = TransferOptions(checksum=config.transfer.checksum)
+    # One secret per build, shared by every replica of this app: a KV endpoint only talks to
+    # peers that prove they hold it (HMAC handshake), never to another app or a stray client.
+    options = TransferOptions(checksum=config.transfer.checksum, secret=secrets.token_hex(32))
     backend = config.transfer.backend
     prefill = {
         pool.name: _deployment(PrefillServer)

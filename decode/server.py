@@ -7,22 +7,40 @@ A request's life here (one streaming `generate` call from the ingress):
     remote prefill:
         reserve blocks (WAITING_FOR_KV) ──open ticket──▶ prefill pool `prefill(req, ticket)`
         ──KV lands layer by layer──▶ DONE ──first token──▶ RUNNING ──deltas streamed
-        on failure: retry once (a fresh reservation and ticket), then prefill locally
+        on failure: abort the transfer, retry once (a fresh reservation and ticket),
+        then prefill locally
 
-Every attempt has its own transfer id (`<request id>#<attempt>`), so a late `release` of a
-dead attempt can never free the blocks of the next one.
+KV ownership. Once a ticket is open, the reserved blocks return to the pool only through
+the receiver's `release` (the transfer is terminal on both ends and its writer fenced: a
+prefill process still copying into them, or our own thread landing a frame), never right
+after `abort`. Before the ticket no writer exists and the reservation is dropped directly.
+Every attempt has its own transfer id (`<request id>#<attempt>`), which is also the engine
+request id of its reservation (and of the decoding that follows, relabelled for the
+caller): a late `release` of a dead attempt can never free the blocks of the next one, and
+a retry need not wait for a dead attempt's blocks, which stay fenced as long as its writer
+may still run.
+
+Leases. Each reservation expires at its ticket's deadline plus the fence allowance. When
+its owner (the `generate` call) is gone and the lease has expired, a check between engine
+steps aborts the transfer through the receiver (the blocks again come back via `release`);
+only a reservation no writer can touch (no ticket, or the KV already landed) is freed there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 from decode.protocol import GenerationSpec
+from engine.async_engine import EngineDeadError
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -30,13 +48,23 @@ from engine.loader import load_model_config
 from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, model_id_for
 from engine.request import Request
-from kvtransfer import KVReceiver, KVTransferError, TransferOptions, TransferState
+from kvtransfer import (
+    KVReceiver,
+    KVTransferError,
+    Ticket,
+    TransferOptions,
+    TransferState,
+    UnknownTransferError,
+)
 from kvtransfer import create_receiver as create_kv_receiver
 from prefill.protocol import PrefillRequest, PrefillResult
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_REMOTE_ATTEMPTS = 2  # the first try, then one retry (Serve may pick another replica)
+FENCE_MARGIN_S = 2.0  # on top of fence_timeout_s: the release's trip to the engine thread
+LEASE_CHECK_INTERVAL_S = 0.5
 
 
 class PrefillHandle(Protocol):
@@ -44,6 +72,21 @@ class PrefillHandle(Protocol):
 
     @property
     def prefill(self) -> Any: ...
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Blocks the engine holds (WAITING_FOR_KV) for one remote-prefill attempt.
+
+    Lives in `DecodeServer._reservations` from just before `reserve_for_kv` until the
+    blocks are freed (`release`, or directly while no writer can touch them) or handed to
+    the decoding request (KV landed).
+    """
+
+    transfer_id: str  # also the engine request id holding the blocks
+    ticket_open: bool = False
+    expires_at: float = float("inf")  # monotonic: ticket deadline + fence allowance
+    owned: bool = True  # the generate call that made it still runs
 
 
 class DecodeServer:
@@ -63,6 +106,7 @@ class DecodeServer:
         self.deadline_s = deadline_s
         self.prefill_pools = dict(prefill_pools or {})
         self.receiver: KVReceiver | None = None
+        self.fence_allowance_s = transfer_options.fence_timeout_s + FENCE_MARGIN_S
         kv_cache = None
         if self.prefill_pools:
             model_dir = str(resolve_model_dir(engine_config.model_dir))
@@ -83,7 +127,10 @@ class DecodeServer:
         self.replica = EngineReplica(f"decode:{pool}", engine_config, kv_cache=kv_cache)
         self.engine = self.replica.engine
         self.loop = self.replica.loop
-        self._active_transfer: dict[str, str] = {}  # request id -> current transfer id
+        self._reservations: dict[str, Reservation] = {}  # by transfer id
+        self._next_lease_check = 0.0
+        if self.receiver is not None:
+            self.loop.between_steps.append(self._check_leases)
 
     # ---- the request -----------------------------------------------------------------
 
@@ -95,117 +142,232 @@ class DecodeServer:
             async for delta in self.loop.generate(request):
                 yield delta
             return
-        stream = self.loop.open_stream(spec.request_id)
-        started = await self._prefill_remotely(spec, request)
-        if not started:
-            self.replica.counters["local_prefill_fallback"] += 1
-            await self.loop.call_async(lambda: self.engine.add_request(self._make_request(spec)))
-        async for delta in self.loop.stream(spec.request_id, stream):
-            yield delta
+        rid = spec.request_id
+        try:
+            started = await self._prefill_remotely(spec)
+            if started is None:
+                self.replica.counters["local_prefill_fallback"] += 1
+                started = rid, self.loop.open_stream(rid)
+                await self._on_engine(partial(self.engine.add_request, request), rid)
+            engine_id, stream = started
+            deltas = cast(AsyncGenerator[RequestOutput, None], self.loop.stream(engine_id, stream))
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield dataclasses.replace(delta, request_id=rid)
+        finally:
+            for engine_id in (rid, *(_transfer_id(rid, i) for i in range(MAX_REMOTE_ATTEMPTS))):
+                self.loop.close_stream(engine_id)
+                reservation = self._reservations.get(engine_id)
+                if reservation is not None:  # its release (or the lease check) frees it
+                    reservation.owned = False
 
-    def _make_request(self, spec: GenerationSpec) -> Request:
+    def _make_request(self, spec: GenerationSpec, request_id: str | None = None) -> Request:
         return self.engine.make_request(
             list(spec.prompt_token_ids),
             spec.sampling_params,
-            request_id=spec.request_id,
+            request_id=request_id or spec.request_id,
             tenant=spec.tenant,
             priority=spec.priority,
         )
 
-    async def _prefill_remotely(self, spec: GenerationSpec, request: Request) -> bool:
-        """Try remote prefill (with one retry). True when decoding has started."""
+    async def _on_engine(self, fn: Callable[[], T], engine_id: str) -> T:
+        """Run `fn` (which starts `engine_id` decoding) on the engine thread. If the caller
+        is cancelled meanwhile, `fn` still runs and an abort of the request follows it."""
+        future = self.loop.call(fn)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(future))
+        except BaseException:
+            with contextlib.suppress(EngineDeadError):
+                self.loop.abort(engine_id)  # queued after fn: commands run in order
+            raise
+
+    async def _prefill_remotely(self, spec: GenerationSpec) -> tuple[str, asyncio.Queue] | None:
+        """Try remote prefill (with one retry). When decoding has started: the engine
+        request id it runs under and its delta stream; None: prefill locally."""
         assert self.receiver is not None and spec.prefill_pool is not None
-        rid = spec.request_id
         for attempt in range(MAX_REMOTE_ATTEMPTS):
             if attempt:
-                request = self._make_request(spec)
                 self.replica.counters["prefill_retries"] += 1
-            transfer_id = f"{rid}#{attempt}"
-            self._active_transfer[rid] = transfer_id  # before reserving: see _on_release
-            block_ids = await self.loop.call_async(partial(self.engine.reserve_for_kv, request))
-            if block_ids is None:
-                self._active_transfer.pop(rid, None)
+            reservation = Reservation(_transfer_id(spec.request_id, attempt))
+            ticket = await self._reserve(spec, reservation)
+            if ticket is None:
                 self.replica.counters["no_kv_room"] += 1
-                return False  # prefill locally: the engine queues it until blocks free up
-            ticket = self.receiver.open_ticket(transfer_id, block_ids, self.deadline_s)
-            prefill_request = PrefillRequest(
-                request_id=transfer_id,
-                prompt_token_ids=spec.prompt_token_ids,
-                sampling_params=spec.sampling_params,
-                tenant=spec.tenant,
-                priority=spec.priority,
-            )
-            response = self.prefill_pools[spec.prefill_pool].prefill.remote(prefill_request, ticket)
-            try:
-                # Bounded by the ticket's deadline: a prefill pool with no live replica
-                # must not hang the request (Serve would queue the call indefinitely).
-                result: PrefillResult = await asyncio.wait_for(
-                    _resolve(response), timeout=max(ticket.seconds_left(), 0.0) + 1.0
-                )
-                state = self.receiver.poll(transfer_id)
-                if not state.is_terminal:
-                    state = await asyncio.to_thread(self.receiver.wait, transfer_id, 5.0)
-                if state != TransferState.DONE:
-                    raise self.receiver.error(transfer_id) or KVTransferError(
-                        f"KV of {transfer_id} ended {state.value}"
-                    )
-            except (asyncio.CancelledError, GeneratorExit):
-                self._give_up(rid, transfer_id)
-                _cancel(response)
-                raise
-            except Exception as exc:  # noqa: BLE001 - any prefill failure: retry or fall back
-                logger.warning("remote prefill attempt %s failed: %r", transfer_id, exc)
-                self.replica.counters["prefill_failures"] += 1
-                self._give_up(rid, transfer_id)
-                _cancel(response)
-                await self.loop.call_async(lambda: self.engine.kv_failed(rid))
-                continue
-            self._active_transfer.pop(rid, None)
+                return None  # prefill locally: the engine queues it until blocks free up
+            result = await self._transfer(spec, reservation, ticket)
+            if result is None:
+                continue  # the dead attempt's blocks come back through its release
             self.replica.counters["remote_prefill"] += 1
             self.replica.counters[f"prefill_pool:{spec.prefill_pool}"] += 1
             self.replica.counters["remote_cached_tokens"] += result.num_cached_tokens
+            engine_id = reservation.transfer_id
+            stream = self.loop.open_stream(engine_id)
 
-            def start(result: PrefillResult = result) -> None:
+            def start(result: PrefillResult = result, landed: Reservation = reservation) -> None:
+                # The KV landed (DONE): no writer left, the blocks pass to the decoding request.
+                self._forget(landed)
                 delta = self.engine.kv_received(
-                    rid, result.first_token_id, result.logprobs, result.num_cached_tokens
+                    landed.transfer_id,
+                    result.first_token_id,
+                    result.logprobs,
+                    result.num_cached_tokens,
                 )
                 self.loop.publish(delta)
 
-            await self.loop.call_async(start)
-            return True
-        return False
+            await self._on_engine(start, engine_id)
+            return engine_id, stream
+        return None
 
-    def _give_up(self, request_id: str, transfer_id: str) -> None:
-        """Stop a transfer attempt; its blocks come back through `release` → kv_failed."""
+    async def _reserve(self, spec: GenerationSpec, reservation: Reservation) -> Ticket | None:
+        """Reserve the attempt's blocks and open its ticket; None: no room now."""
         assert self.receiver is not None
-        if self._active_transfer.get(request_id) == transfer_id:
-            self._active_transfer.pop(request_id, None)
-            self.receiver.abort(transfer_id)
-            self.loop.call(lambda: self.engine.kv_failed(request_id))
+        request = self._make_request(spec, reservation.transfer_id)
+        self._reservations[reservation.transfer_id] = reservation
+        reserve = self.loop.call(partial(self.engine.reserve_for_kv, request))
+        try:
+            block_ids = await asyncio.shield(asyncio.wrap_future(reserve))
+        except BaseException:
+            # Cancelled before the ticket: no writer can have these blocks. Drop them after
+            # the reservation has run (engine commands run in order).
+            with contextlib.suppress(EngineDeadError):
+                self.loop.call(partial(self._drop_unticketed, reservation, reserve))
+            raise
+        if block_ids is None:
+            self._forget(reservation)
+            return None
+        try:
+            ticket = self.receiver.open_ticket(reservation.transfer_id, block_ids, self.deadline_s)
+        except BaseException:
+            with contextlib.suppress(EngineDeadError):
+                self.loop.call(partial(self._drop_unticketed, reservation, reserve))
+            raise
+        reservation.ticket_open = True
+        reservation.expires_at = time.monotonic() + ticket.seconds_left() + self.fence_allowance_s
+        return ticket
+
+    async def _transfer(
+        self, spec: GenerationSpec, reservation: Reservation, ticket: Ticket
+    ) -> PrefillResult | None:
+        """Have the prefill pool fill the attempt's ticket. None when the attempt failed:
+        the transfer is then aborted and its blocks come back through `release`."""
+        assert self.receiver is not None and spec.prefill_pool is not None
+        transfer_id = reservation.transfer_id
+        prefill_request = PrefillRequest(
+            request_id=transfer_id,
+            prompt_token_ids=spec.prompt_token_ids,
+            sampling_params=spec.sampling_params,
+            tenant=spec.tenant,
+            priority=spec.priority,
+        )
+        response: Any = None
+        try:
+            response = self.prefill_pools[spec.prefill_pool].prefill.remote(prefill_request, ticket)
+            # Bounded by the ticket's deadline: a prefill pool with no live replica must
+            # not hang the request (Serve would queue the call indefinitely).
+            result: PrefillResult = await asyncio.wait_for(
+                _resolve(response), timeout=max(ticket.seconds_left(), 0.0) + 1.0
+            )
+            state = self.receiver.poll(transfer_id)
+            if not state.is_terminal:
+                state = await asyncio.to_thread(self.receiver.wait, transfer_id, 5.0)
+            if state != TransferState.DONE:
+                raise self.receiver.error(transfer_id) or KVTransferError(
+                    f"KV of {transfer_id} ended {state.value}"
+                )
+            return result
+        except BaseException as exc:
+            self.receiver.abort(transfer_id)  # the blocks come back through release
+            if self.receiver.poll(transfer_id) is TransferState.DONE:
+                # It landed after all: no release will come, and no writer is left.
+                with contextlib.suppress(EngineDeadError):
+                    self.loop.call(partial(self._free, reservation))
+            if response is not None:
+                _cancel(response)
+            if not isinstance(exc, Exception):  # cancelled, or the generator closed
+                raise
+            logger.warning("remote prefill attempt %s failed: %r", transfer_id, exc)
+            self.replica.counters["prefill_failures"] += 1
+            return None
+
+    # ---- reservations (engine thread, unless said otherwise) ----------------------------
+
+    def _forget(self, reservation: Reservation) -> None:
+        """Any thread: stop tracking `reservation` (its blocks are free or decoding)."""
+        if self._reservations.get(reservation.transfer_id) is reservation:
+            del self._reservations[reservation.transfer_id]
+
+    def _free(self, reservation: Reservation) -> None:
+        """Free a reservation's blocks now; only once no writer can touch them."""
+        if self._reservations.get(reservation.transfer_id) is not reservation:
+            return  # already freed
+        del self._reservations[reservation.transfer_id]
+        self.engine.kv_failed(reservation.transfer_id)
+
+    def _drop_unticketed(
+        self, reservation: Reservation, reserve: concurrent.futures.Future
+    ) -> None:
+        """The owner gave up before the ticket opened: drop what `reserve` may have held."""
+        if reserve.cancelled() or reserve.exception() is not None or reserve.result() is None:
+            self._forget(reservation)  # nothing was reserved
+            return
+        self._free(reservation)
 
     def _on_release(self, transfer_id: str) -> None:
-        """Receiver thread: a transfer ended without KV; free its blocks if still reserved."""
-        request_id = transfer_id.rsplit("#", 1)[0]
+        """Receiver thread: a transfer ended without KV and its writer is fenced; free its
+        blocks if they are still reserved."""
 
         def free() -> None:
-            # Only the live attempt owns the reservation; a stale release must not free it.
-            if self._active_transfer.get(request_id) == transfer_id:
-                self.engine.kv_failed(request_id)
+            reservation = self._reservations.get(transfer_id)
+            if reservation is not None:
+                self._free(reservation)
 
-        self.loop.call(free)
+        with contextlib.suppress(EngineDeadError):
+            self.loop.call(free)
+
+    def _check_leases(self) -> None:
+        """Between engine steps: expire the reservations whose owner is gone."""
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + LEASE_CHECK_INTERVAL_S
+        try:
+            for reservation in list(self._reservations.values()):
+                if not reservation.owned and reservation.expires_at <= now:
+                    self._expire(reservation)
+        except Exception:  # never the engine loop's problem
+            logger.exception("checking KV reservation leases failed")
+
+    def _expire(self, reservation: Reservation) -> None:
+        assert self.receiver is not None
+        if not reservation.ticket_open:
+            self._free(reservation)
+            return
+        try:
+            state: TransferState | None = self.receiver.poll(reservation.transfer_id)
+        except UnknownTransferError:
+            state = None  # long settled: its release already ran
+        if state is None or state is TransferState.DONE:
+            self._free(reservation)  # the KV landed and nobody decodes it: no writer
+        elif not state.is_terminal:
+            logger.warning("lease of %s expired, its owner gone: aborting", reservation.transfer_id)
+            self.receiver.abort(reservation.transfer_id)  # blocks come back via release
+        # else: ended and still fenced (its writer may still run): release frees it
 
     # ---- operations ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {"pool": self.pool, **self.replica.stats()}
+        """Never waits on the engine thread: fine on the event loop or in Serve's threads."""
+        stats = {"pool": self.pool, **self.replica.stats()}
+        if self.receiver is not None:  # blocks of ended transfers still fenced, quarantined
+            stats["kv_transfers"] = self.receiver.transfer_counts()
+        return stats
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; our replica router reads it. Never blocks the event loop."""
         return await self.replica.routing_stats()
 
     def check_health(self) -> None:
-        if not self.loop.is_alive:
-            raise RuntimeError("decode engine loop is dead")
+        """Serve's health check: fails when the engine loop is dead or stuck (cheap)."""
+        self.replica.check_health()
 
     def shutdown(self) -> None:
         if self.receiver is not None:
@@ -216,6 +378,10 @@ class DecodeServer:
         # Ray Serve calls __del__ when it stops a replica; free shm and threads then.
         with contextlib.suppress(Exception):
             self.shutdown()
+
+
+def _transfer_id(request_id: str, attempt: int) -> str:
+    return f"{request_id}#{attempt}"
 
 
 async def _resolve(response: Any) -> Any:

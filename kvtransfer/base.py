@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TypeVar
 
 import torch
@@ -55,7 +55,11 @@ class TransferState(enum.Enum):
 
     @classmethod
     def from_code(cls, code: int) -> TransferState:
-        return _STATES_BY_CODE[code]
+        """Inverse of `code`; a code no state has (a broken peer) is a `ProtocolError`."""
+        state = _STATES_BY_CODE.get(code)
+        if state is None:
+            raise ProtocolError(f"unknown transfer state code {code}")
+        return state
 
 
 _STATE_CODES = {state: i for i, state in enumerate(TransferState)}
@@ -105,6 +109,18 @@ class PeerLostError(KVTransferError):
     """The connection to the other side closed or failed mid-transfer."""
 
 
+class PeerTimeoutError(PeerLostError):
+    """The peer did not answer within the time allowed (a handshake)."""
+
+
+class ProtocolError(PeerLostError):
+    """The peer broke the protocol (oversized or malformed frame): its connection is closed."""
+
+
+class AuthenticationError(KVTransferError):
+    """The peer could not prove it holds the application's shared secret (or we could not)."""
+
+
 class BackendUnavailableError(KVTransferError):
     """The backend cannot run on this machine (e.g. `nccl` without CUDA)."""
 
@@ -122,6 +138,9 @@ _ERRORS: dict[str, type[KVTransferError]] = {
         TransferAbortedError,
         TransferExpiredError,
         PeerLostError,
+        PeerTimeoutError,
+        ProtocolError,
+        AuthenticationError,
         UnknownTransferError,
     )
 }
@@ -235,6 +254,23 @@ class TransferOptions:
     reap_interval_s: float = 0.05  # how often deadlines are checked
     tombstone_ttl_s: float = 120.0  # ended transfers stay pollable this long
     corrupt_layers: frozenset[int] = frozenset()  # test hook: sender damages these layers
+    # Shared by every replica of one application; both ends of a connection prove they hold
+    # it (HMAC challenge-response, `kvtransfer.auth`). None: no authentication (tests, tools).
+    secret: str | None = field(default=None, repr=False)
+    max_connections: int = 256  # receiver: connections beyond this are closed at once
+    handshake_timeout_s: float = 5.0  # receiver: a peer must finish the handshake this fast
+    # Receiver: a connection with no transfer bound to it closes after this long without a
+    # frame; senders drop their idle connections after half of it (so they never race it).
+    idle_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.secret is not None and len(self.secret) < 16:
+            raise ValueError("TransferOptions.secret must be at least 16 characters")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("handshake_timeout_s", "idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 _last_epoch = 0
@@ -318,6 +354,11 @@ class KVReceiver(ClosesOnExit):
         """How many layers have landed so far (for progress and layer-wise decode)."""
 
     @abc.abstractmethod
+    def transfer_counts(self) -> dict[str, int]:
+        """`num_open`, `num_fenced` and `num_quarantined` transfers (replica stats); never
+        blocks. Fenced and quarantined transfers ended but still hold their blocks."""
+
+    @abc.abstractmethod
     def error(self, request_id: str) -> KVTransferError | None:
         """Why a transfer ended FAILED/ABORTED/EXPIRED (None otherwise)."""
 
@@ -353,9 +394,10 @@ class KVSender(ClosesOnExit):
 
         Registers the transfer, performs the handshake and binds it at the receiver now
         (so the first layer is written without a round trip), and raises
-        `KVLayoutMismatchError`, `StaleEpochError` or `PeerLostError` instead of failing
-        later; the transfer then ended FAILED and `release` follows as for any end. After
-        a successful connect an `abort` reaches the receiver even before the first layer.
+        `KVLayoutMismatchError`, `StaleEpochError`, `AuthenticationError` (the receiver
+        and we do not share the secret) or `PeerLostError` instead of failing later; the
+        transfer then ended FAILED and `release` follows as for any end. After a
+        successful connect an `abort` reaches the receiver even before the first layer.
         Frees nothing.
         """
 

@@ -8,6 +8,7 @@ the sender's end of a receiver's. Both wrap a `FrameSocket` and carry per-backen
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ class SenderConnection:
         self.fs = fs
         self.name = name
         self.alive = True
+        self.authenticated = False  # handshake completed (with the secret's proof, if any)
+        self.last_frame_at = time.monotonic()  # idle connections are closed after a while
         self.thread: threading.Thread | None = None
         self.state: dict[str, object] = {}  # backend per-connection state (communicator)
 
@@ -40,6 +43,7 @@ class ReceiverConnection:
         self.welcome = welcome
         self.alive = True
         self.pending: dict[str, Future[None]] = {}
+        self.last_used = time.monotonic()  # the sender drops connections idle too long
         self.state: dict[str, object] = {}  # backend per-connection state (mapping, comm)
         self.thread: threading.Thread | None = None
 

@@ -87,18 +87,27 @@ class TableEnd:
         raise NotImplementedError
 
     def _reap(self) -> None:
-        """Called by the reaper thread: expire overdue transfers, lift timed-out fences."""
+        """Called by the reaper thread: expire overdue transfers, time out fences, and
+        release quarantined blocks whose writer is proven gone."""
         for request_id in self._table.overdue(time.time()):
             self._terminate(
                 request_id, TransferState.EXPIRED, TransferExpiredError("ticket deadline passed")
             )
         self._table.sweep(self._on_fence_timeout)
+        for record in self._table.quarantined_records():
+            if self._writer_gone(record):
+                self._table.unfence(record.request_id)
 
-    def _on_fence_timeout(self, record: TransferRecord) -> None:
-        """A writer never confirmed it stopped: cut it off before the blocks are released.
+    def _on_fence_timeout(self, record: TransferRecord) -> bool:
+        """A writer never confirmed it stopped within `fence_timeout_s`: cut it off and
+        return True when that stops its writes (the blocks are then released), or return
+        False to keep them quarantined until `_writer_gone`. Receivers only; a sender never
+        fences its records."""
+        return True
 
-        Receivers only; a sender never fences its records.
-        """
+    def _writer_gone(self, record: TransferRecord) -> bool:
+        """Reaper, for a quarantined record: whether its writer can no longer write."""
+        return True
 
     def _shutdown(self) -> None:
         """Backend teardown after open transfers were aborted (sockets, threads, memory)."""
@@ -175,6 +184,11 @@ class TableReceiver(TableEnd, KVReceiver):
 
     def num_layers_received(self, request_id: str) -> int:
         return self._table.require(request_id).num_layers_done
+
+    def transfer_counts(self) -> dict[str, int]:
+        """Quarantined blocks belong to ended transfers whose writer did not confirm it
+        stopped and may still run (a stopped prefill process): they return once it does."""
+        return self._table.counts()
 
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
         """End a transfer from this side (abort, expiry, failure); backends notify the peer."""

@@ -30,8 +30,8 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import (
     BackendUnavailableError,
     ChecksumMismatchError,
-    KVTransferError,
     PeerLostError,
+    ProtocolError,
     ReleaseFn,
     TransferOptions,
 )
@@ -183,15 +183,17 @@ class NcclReceiver(_NcclEnd, StreamReceiver):
             self._nccl.group_end()
         return buf
 
+    def _layer_payload_bytes(self, num_blocks: int) -> int:
+        return _SIZE.size  # the NCCL byte count; the bytes themselves go over NCCL
+
     def _receive_layer(
         self, conn: SenderConnection, record: TransferRecord, header: Header
     ) -> None:
-        nbytes = _read_size(conn, header)
         n = len(record.block_ids)
         expected = _packed_bytes(self.spec, n)
-        buf = self._recv_into(conn, nbytes)  # always post the matching receive
-        if nbytes != expected:
-            raise KVTransferError(f"layer of {nbytes} bytes, expected {expected}")
+        # a wrong size would desynchronize the NCCL queue: a protocol error, not a skip
+        nbytes = _read_size(conn, limit=expected, exact=True)
+        buf = self._recv_into(conn, nbytes)
         packed = _packed_view(buf, self.spec, n)
         if header.has_crc:
             self._stream.synchronize()
@@ -214,7 +216,12 @@ class NcclReceiver(_NcclEnd, StreamReceiver):
             )
 
     def _skip_layer(self, conn: SenderConnection, header: Header) -> None:
-        self._recv_into(conn, _read_size(conn, header))  # keep NCCL's queues matched
+        if header.nbytes != _SIZE.size:
+            raise ProtocolError(f"nccl LAYER frame with {header.nbytes} payload bytes")
+        record = self._table.get(header.request_id)
+        n = self.spec.num_blocks if record is None else len(record.block_ids)
+        nbytes = _read_size(conn, limit=_packed_bytes(self.spec, n), exact=record is not None)
+        self._recv_into(conn, nbytes)  # keep NCCL's queues matched
 
     def _before_done(self, conn: SenderConnection, record: TransferRecord) -> None:
         self._stream.synchronize()
@@ -249,7 +256,10 @@ class NcclSender(_NcclEnd, StreamSender):
         raw = conn.welcome.get("nccl_unique_id")
         if not isinstance(raw, str):
             raise PeerLostError(f"receiver at {conn.endpoint} sent no NCCL unique id")
-        unique_id = bytes.fromhex(raw)
+        try:
+            unique_id = bytes.fromhex(raw)
+        except ValueError:
+            raise PeerLostError(f"receiver at {conn.endpoint} sent a malformed unique id") from None
         with torch.cuda.device(self.device):
             comm = self._nccl.comm_init_rank(2, unique_id, SENDER_RANK)
         self._abort_comm(conn.endpoint)
@@ -328,13 +338,15 @@ def _crc(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.cpu().numpy().data)
 
 
-def _read_size(conn: SenderConnection, header: Header) -> int:
+def _read_size(conn: SenderConnection, *, limit: int, exact: bool) -> int:
+    """The NCCL byte count a LAYER frame announces (its payload size was checked already):
+    `limit` exactly, or (`exact=False`) at most `limit`, else a protocol error."""
     raw = bytearray(_SIZE.size)
-    if header.nbytes != _SIZE.size:
-        conn.fs.discard(header.nbytes)
-        raise PeerLostError(f"nccl LAYER frame with {header.nbytes} payload bytes")
     conn.fs.recv_into(memoryview(raw))
-    return int(_SIZE.unpack(raw)[0])
+    nbytes = int(_SIZE.unpack(raw)[0])
+    if nbytes > limit or (exact and nbytes != limit):
+        raise ProtocolError(f"nccl layer of {nbytes} bytes, expected {limit}")
+    return nbytes
 
 
 def _no_comm() -> int:

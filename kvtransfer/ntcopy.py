@@ -11,19 +11,25 @@ pages of a block streamed side by side, like glibc's large memcpy), SSE2 otherwi
 plain memcpy off x86.
 
 The ~40-line C helper below is compiled on first use with the system C compiler (the
-one Triton also needs) into the user cache directory; without a compiler `available()`
-is False and callers fall back to numpy row copies.
+one Triton also needs) into a private directory (`~/.cache/pdserve`, else
+`<tmp>/pdserve-<uid>`; created mode 0700), and the SHA-256 of the built library is
+recorded beside it. Before loading, the directory and the library must be owned by us and
+writable by nobody else, and the library's hash must match the record: code someone else
+could have swapped in is never loaded. Without a compiler, or when a check fails (logged
+once), `available()` is False and callers fall back to numpy row copies.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -122,38 +128,114 @@ void pd_copy_rows(int64_t pairs, const int64_t* dsts, const int64_t* srcs,
 """
 
 
-def _cache_dir() -> str:
+class UntrustedLibraryError(OSError):
+    """The helper's directory or library could have been written by someone else."""
+
+
+def cache_dirs() -> list[str]:
+    """Where the helper may live, in order of preference."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "pdserve")
+    per_user = os.path.join(tempfile.gettempdir(), f"pdserve-{os.getuid()}")
+    return [os.path.join(base, "pdserve"), per_user]
+
+
+def _private_dir() -> str:
+    """The first of `cache_dirs()` we can create (mode 0700) that is ours and closed to
+    others; raises UntrustedLibraryError (or OSError) when none is."""
+    error: OSError = OSError("no cache directory")
+    for path in cache_dirs():
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            _check_private(path, os.lstat(path), directory=True)
+            return path
+        except UntrustedLibraryError:
+            raise  # it exists and someone else could write it: do not look elsewhere
+        except OSError as exc:
+            error = exc
+    raise error
+
+
+def _check_private(path: str, info: os.stat_result, *, directory: bool) -> None:
+    kind_ok = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
+    if not kind_ok:
+        raise UntrustedLibraryError(f"{path} is not a plain {'directory' if directory else 'file'}")
+    if info.st_uid != os.getuid():
+        raise UntrustedLibraryError(f"{path} is owned by uid {info.st_uid}, not by us")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UntrustedLibraryError(f"{path} is writable by others (mode {info.st_mode:o})")
+
+
+def _build(compiler: str, target: str, record: str) -> None:
+    """Compile in a temporary directory beside `target`, record the hash, move it in."""
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
+        with open(os.path.join(tmp, "ntcopy.c"), "w") as f:
+            f.write(_SOURCE)
+        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", "ntcopy.so", "ntcopy.c"]
+        result = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise OSError(f"building the streaming-copy helper failed: {result.stderr}")
+        built = os.path.join(tmp, "ntcopy.so")
+        os.chmod(built, 0o700)
+        with open(built, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        with open(os.path.join(tmp, "sha256"), "w") as f:
+            f.write(digest)
+        os.replace(os.path.join(tmp, "sha256"), record)
+        os.replace(built, target)
+
+
+def _open_verified(target: str, record: str) -> int:
+    """An fd of `target` after checking its owner, mode and recorded hash (no TOCTOU: the
+    bytes hashed are those of the open file, which is what gets loaded)."""
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        os.makedirs(path, exist_ok=True)
-        return path
-    except OSError:
-        return tempfile.gettempdir()
+        _check_private(target, os.fstat(fd), directory=False)
+        with open(record, opener=_open_nofollow) as f:
+            _check_private(record, os.fstat(f.fileno()), directory=False)
+            expected = f.read().strip()
+        digest = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            digest.update(chunk)
+        if digest.hexdigest() != expected:
+            raise UntrustedLibraryError(f"{target} does not match the hash recorded at build")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_nofollow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
+    """The loaded helper, or None (no compiler, a failed build or check: logged once)."""
+    try:
+        return _load()
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("streaming-copy helper not loaded, using numpy copies: %s", exc)
+        return None
+
+
+def _load() -> ctypes.CDLL | None:
     digest = hashlib.sha256((_SOURCE + platform.machine()).encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"ntcopy-{digest}.so")
-    if not os.path.exists(target):
-        compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if compiler is None:
-            logger.info("no C compiler: KV block copies use numpy (ordinary stores)")
-            return None
-        with tempfile.TemporaryDirectory() as tmp:
-            source = os.path.join(tmp, "ntcopy.c")
-            with open(source, "w") as f:
-                f.write(_SOURCE)
-            built = os.path.join(tmp, "ntcopy.so")
-            cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", built, source]
-            result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-            if result.returncode != 0:
-                logger.warning("building the streaming-copy helper failed: %s", result.stderr)
+    directory = _private_dir()
+    target = os.path.join(directory, f"ntcopy-{digest}.so")
+    record = target + ".sha256"
+    with open(os.path.join(directory, "ntcopy.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; loaders see whole files
+        if not (os.path.exists(target) and os.path.exists(record)):
+            compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+            if compiler is None:
+                logger.info("no C compiler: KV block copies use numpy (ordinary stores)")
                 return None
-            os.replace(built, target + f".{os.getpid()}")
-            os.replace(target + f".{os.getpid()}", target)  # atomic: racing builds are fine
-    lib = ctypes.CDLL(target)
+            _build(compiler, target, record)
+        fd = _open_verified(target, record)
+    try:
+        lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else target)
+    finally:
+        os.close(fd)
     fn = lib.pd_copy_rows
     fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64]
     fn.restype = None
@@ -162,11 +244,7 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """Whether streaming copies are available (builds the helper on first call)."""
-    try:
-        return _library() is not None
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("streaming-copy helper unavailable: %s", exc)
-        return False
+    return _library() is not None
 
 
 def worth_streaming(transfer_bytes: int) -> bool:

@@ -9,8 +9,12 @@ file to clean up), speaking `wire` frames without payload: HELLO/WELCOME (layout
 segment), BEGIN/ACCEPT per transfer before any write, LAYER after each layer is written
 (with its CRC32 when checksums are on), FINISH, ABORT and ABORT_ACK. Because the sender
 writes our memory itself, a transfer ended by the receiver keeps its blocks *fenced* until
-the sender acknowledges that it stopped writing (ABORT_ACK), its connection drops (process
-gone), or `fence_timeout_s` passes.
+the sender acknowledges that it stopped writing (ABORT_ACK) or its connection drops (it
+finished its transfers first, or died). Cutting the connection would not stop a sender
+process that is stopped (SIGSTOP) mid-copy: it finishes the copy once continued. So when
+no acknowledgement comes within `fence_timeout_s`, the connection stays open and the
+blocks stay *quarantined* until the ABORT_ACK arrives or the sender process, known from
+the kernel (SO_PEERCRED) when it connected, is gone.
 
 Segment ownership: the receiver creates the segment with `SharedMemory(create=True)` so
 its resource tracker unlinks it if the process dies, maps it through torch (the mapping
@@ -18,17 +22,22 @@ lives as long as any tensor over it) and unlinks it on close(). If the tracker d
 (a killed process group), the next receiver on the host sweeps segments named after a
 dead pid (`pdkv-<pid>-<random>`) that nobody serves. The sender never uses
 `SharedMemory` (whose resource tracker would unlink a segment it does not own at exit);
-it maps `/dev/shm/<name>` with `torch.from_file` and pre-faults the mapping once.
+it maps the existing `/dev/shm/<name>` (`map_segment`: never created, size and owner
+checked) and pre-faults the mapping once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
+import re
 import secrets
 import socket
+import struct
 from multiprocessing.shared_memory import SharedMemory
+from stat import S_ISREG
 
 import numpy as np
 import torch
@@ -52,6 +61,7 @@ from kvtransfer.wire import Header, Kind
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdkv-"
+_SEGMENT_NAME = re.compile(r"pdkv-[A-Za-z0-9._-]{1,200}")
 PAGE_BYTES = 4096
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map pages writable without touching their bytes
 
@@ -122,6 +132,37 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class PeerProcess:
+    """The process at the other end of a Unix socket, as the kernel names it (SO_PEERCRED).
+
+    Remembers the pid's start time too, so a recycled pid does not pass for the peer.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        self.pid, self.uid, self.gid = struct.unpack("3i", creds)
+        # pid 0: the peer lives in a pid namespace we cannot see; nothing to watch then
+        self._start_time = _process_start_time(self.pid) if self.pid > 0 else None
+
+    def is_running(self) -> bool:
+        """Whether the peer process may still execute (a stopped process counts as running)."""
+        if self._start_time is None:
+            return False
+        return _process_start_time(self.pid) == self._start_time
+
+
+def _process_start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat; None once the process exited (zombies included)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):  # exited, waiting to be reaped: it writes nothing any more
+        return None
+    return fields[19]
+
+
 def prefault_writable(flat: torch.Tensor) -> None:
     """Map every page of a shared mapping writable now, without changing a byte.
 
@@ -138,10 +179,26 @@ def prefault_writable(flat: torch.Tensor) -> None:
 
 
 def map_segment(segment: str, nbytes: int) -> torch.Tensor:
-    """Map an existing segment as a flat uint8 tensor; the mapping dies with the tensor."""
-    return torch.from_file(
-        os.path.join(SHM_DIR, segment), shared=True, size=nbytes, dtype=torch.uint8
-    )
+    """Map an existing segment as a flat uint8 tensor; the mapping dies with the tensor.
+
+    Never creates one (a sender writing into a file nobody reads would report DONE): a
+    missing segment raises FileNotFoundError; one that is not a regular file of exactly
+    `nbytes` bytes owned by this user raises ValueError.
+    """
+    if not _SEGMENT_NAME.fullmatch(segment):
+        raise ValueError(f"{segment!r} is not a pdserve KV segment name")
+    path = os.path.join(SHM_DIR, segment)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise ValueError(f"{path} is not a shared-memory segment of this user")
+        if info.st_size != nbytes:
+            raise ValueError(f"{path} holds {info.st_size} bytes, expected {nbytes}")
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until freed
 
 
 class ShmReceiver(StreamReceiver):
@@ -195,6 +252,31 @@ class ShmReceiver(StreamReceiver):
 
     def _welcome_extra(self, conn: SenderConnection) -> dict[str, object]:
         return {"segment": self._segment, "total_bytes": self.spec.total_bytes}
+
+    def _on_connected(self, conn: SenderConnection, hello: dict[str, object]) -> None:
+        conn.state["process"] = PeerProcess(conn.fs.sock)
+
+    def _on_fence_timeout(self, record: TransferRecord) -> bool:
+        """Keep the connection open for a late ABORT_ACK: closing it would not stop a
+        stopped sender's copy. Released now only if the sender is already gone."""
+        return self._writer_gone(record)
+
+    def _writer_stopped(self, record: TransferRecord, peer_closed: bool) -> bool:
+        """The sender closes its connection only after finishing its transfers (under their
+        write_lock), so its EOF is its word, unless the fence already timed out; a
+        connection we closed proves nothing while the process runs."""
+        return (peer_closed and not record.quarantined) or self._writer_gone(record)
+
+    def _writer_gone(self, record: TransferRecord) -> bool:
+        """The sender closed its connection (process exit closes it too) and its process is
+        no longer running."""
+        conn = record.peer
+        if not isinstance(conn, SenderConnection):
+            return True
+        if conn.alive and not conn.fs.closed:
+            return False
+        process = conn.state.get("process")
+        return not (isinstance(process, PeerProcess) and process.is_running())
 
     def _receive_layer(
         self, conn: SenderConnection, record: TransferRecord, header: Header
@@ -261,7 +343,11 @@ class ShmSender(StreamSender):
             raise PeerLostError(f"segment of {nbytes} bytes, expected {expected}")
         try:
             flat = map_segment(str(segment), nbytes)
-        except (OSError, RuntimeError) as exc:
+        except FileNotFoundError:
+            raise PeerLostError(
+                f"receiver at {conn.endpoint} has no shm segment {segment!r} (not created here)"
+            ) from None
+        except (OSError, ValueError) as exc:
             raise PeerLostError(f"cannot map {segment}: {exc}") from exc
         prefault_writable(flat)  # once per connection, off the transfer's critical path
         conn.state["rows"] = flat.numpy().reshape(self.spec.num_layers, 2, conn.num_blocks, -1)

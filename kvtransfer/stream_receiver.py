@@ -1,8 +1,11 @@
 """Receiver side of the socket-based backends (`shm`, `tcp`, `nccl`).
 
-Threads: one accepts connections; one per connection reads frames in order:
+Threads: one accepts connections (at most `max_connections`; it closes those with no
+transfer bound and no frame for `idle_timeout_s`); one per connection reads frames in
+order (the handshake within `handshake_timeout_s`):
 
-    HELLO ──layout check──▶ WELCOME (or REFUSE + close)
+    accept ──▶ CHALLENGE(nonce)
+    HELLO ──secret's proof (`auth`), then version, layout──▶ WELCOME (or REFUSE + close)
     BEGIN(rid, epoch) ──epoch, ticket open?──▶ ACCEPT (rid now bound to this connection) | REJECT
     LAYER(rid, l) ──backend `_receive_layer`──▶ layer l marked
     FINISH(rid, L) ──all L layers?──▶ DONE + RESULT   (else FAILED)
@@ -12,8 +15,11 @@ Threads: one accepts connections; one per connection reads frames in order:
 Ending a transfer here (abort, expiry, bad checksum) sends ABORT to its sender, and the
 blocks of a transfer bound to a connection stay *fenced* until the sender's ABORT_ACK is
 read: the sender stopped writing (shm), and, frames being read in order, any layer this
-thread was landing (tcp, nccl) is complete. A dead connection lifts the fence too; after
-`fence_timeout_s` the connection is cut first, then the blocks are released.
+thread was landing (tcp, nccl) is complete. A dead connection lifts the fence too. After
+`fence_timeout_s` without either, the backend decides (`_on_fence_timeout`): where this
+process does the landing (tcp, nccl) the connection is cut and the blocks are released
+once the layer being landed is complete or skipped; where another process writes (shm),
+the blocks stay *quarantined* until its ABORT_ACK or its death (`_writer_gone`).
 """
 
 from __future__ import annotations
@@ -22,16 +28,22 @@ import contextlib
 import logging
 import socket
 import threading
+import time
+from collections import Counter
 
 import numpy as np
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer import auth
 from kvtransfer.base import (
+    AuthenticationError,
     KVLayout,
     KVLayoutMismatchError,
     KVTransferError,
     PeerLostError,
+    PeerTimeoutError,
+    ProtocolError,
     ReleaseFn,
     StaleEpochError,
     TransferOptions,
@@ -43,7 +55,7 @@ from kvtransfer.base import (
 from kvtransfer.connections import SenderConnection
 from kvtransfer.core import TableReceiver
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
+from kvtransfer.wire import MAX_CONTROL_BYTES, PROTOCOL_VERSION, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +94,8 @@ class StreamReceiver(TableReceiver):
         self._listener.settimeout(0.2)
         self._connections: set[SenderConnection] = set()
         self._connections_lock = threading.Lock()
+        self._refusals: Counter[str] = Counter()  # why peers were cut off (`endpoint_stats`)
+        self._next_sweep = 0.0
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name=f"kv-{self.backend}-accept", daemon=True
         )
@@ -94,6 +108,10 @@ class StreamReceiver(TableReceiver):
     ) -> None:
         """Consume one LAYER frame's payload and land it; raise KVTransferError to fail it."""
         raise NotImplementedError
+
+    def _layer_payload_bytes(self, num_blocks: int) -> int:
+        """The exact payload size of a LAYER frame for a transfer of `num_blocks` blocks."""
+        return 0
 
     def _welcome_extra(self, conn: SenderConnection) -> dict[str, object]:
         """Backend facts the sender needs (segment name, ...)."""
@@ -110,8 +128,18 @@ class StreamReceiver(TableReceiver):
 
     # -- connections -----------------------------------------------------------------------
 
+    def endpoint_stats(self) -> dict[str, int]:
+        """Connections open now, and how many peers were cut off, by reason."""
+        with self._connections_lock:
+            return {"connections": len(self._connections), **self._refusals}
+
+    def _count(self, reason: str) -> None:
+        with self._connections_lock:
+            self._refusals[reason] += 1
+
     def _accept_loop(self) -> None:
         while not self._closed:
+            self._close_silent_connections()
             try:
                 sock, _ = self._listener.accept()
             except TimeoutError:
@@ -125,17 +153,47 @@ class StreamReceiver(TableReceiver):
                 if self._closed:
                     conn.fs.close()
                     return
+                if len(self._connections) >= self.options.max_connections:
+                    self._refusals["over_connection_limit"] += 1
+                    conn.fs.close()
+                    continue
                 self._connections.add(conn)
             conn.thread = threading.Thread(
                 target=self._serve, args=(conn,), name=f"kv-{self.backend}-recv", daemon=True
             )
             conn.thread.start()
 
+    def _close_silent_connections(self) -> None:
+        """Called by the accept thread: cut connections idle with no transfer bound to them
+        (their reader threads then drop them). Handshakes time out on their own reads."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(0.5, self.options.idle_timeout_s / 4)
+        with self._connections_lock:
+            connections = list(self._connections)
+        for conn in connections:
+            if now - conn.last_frame_at <= self.options.idle_timeout_s or conn.fs.closed:
+                continue
+            if not self._table.records_bound_to(conn):
+                self._count("idle_timeout")
+                conn.fs.close()
+
     def _serve(self, conn: SenderConnection) -> None:
         try:
             if self._handshake(conn):
                 while (header := conn.fs.recv_header()) is not None:
+                    conn.last_frame_at = time.monotonic()
                     self._dispatch(conn, header)
+                conn.state["peer_closed"] = not conn.fs.closed  # an EOF we did not cause
+        except ProtocolError as exc:
+            self._count("protocol_error")
+            logger.warning("closing sender connection %s: %s", conn.name, exc)
+            for record in self._table.records_bound_to(conn):
+                self._terminate(record.request_id, TransferState.FAILED, exc)
+        except PeerTimeoutError as exc:
+            self._count("handshake_timeout")
+            logger.debug("sender connection %s: %s", conn.name, exc)
         except PeerLostError as exc:
             logger.debug("sender connection %s lost: %s", conn.name, exc)
         except Exception:
@@ -144,25 +202,48 @@ class StreamReceiver(TableReceiver):
             self._drop(conn)
 
     def _handshake(self, conn: SenderConnection) -> bool:
-        conn.fs.limit_reads(self.options.connect_timeout_s)
+        """CHALLENGE, then HELLO: authenticate, then check version and layout; WELCOME."""
+        secret = self.options.secret
+        nonce = auth.new_nonce()
+        conn.fs.limit_reads(self.options.handshake_timeout_s)
+        challenge = {"version": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None}
+        conn.fs.send_json(Kind.CHALLENGE, "", challenge)
         header = conn.fs.recv_header()
         if header is None:
             return False
         if header.kind is not Kind.HELLO:
-            raise PeerLostError(f"expected HELLO, got {header.kind.name}")
+            raise ProtocolError(f"expected HELLO, got {header.kind.name}")
         hello = conn.fs.recv_json(header)
         conn.fs.limit_reads(None)
+        peer_nonce = hello.get("nonce")
+        if not isinstance(peer_nonce, str):
+            raise ProtocolError("HELLO without a nonce")
+        if secret is not None and not auth.verify(
+            auth.hello_mac(secret, nonce, peer_nonce, hello), hello
+        ):
+            self._count("auth_failed")
+            logger.warning("refusing a sender on connection %s: %s", conn.name, auth.AUTH_FAILED)
+            conn.fs.send_json(Kind.REFUSE, "", error_to_wire(AuthenticationError(auth.AUTH_FAILED)))
+            return False
+        # Authenticated from here on (or no secret configured): refusals may say why.
         if hello.get("version") != PROTOCOL_VERSION:
             error: KVTransferError = KVTransferError(
                 f"protocol version {hello.get('version')} != {PROTOCOL_VERSION}"
             )
+            self._count("refused")
             conn.fs.send_json(Kind.REFUSE, "", error_to_wire(error))
             return False
-        remote = KVLayout.from_dict(_as_dict(hello.get("layout")))
+        remote = _layout(hello.get("layout"))
         diffs = self.layout.differences(remote)
         if diffs:
-            error = KVLayoutMismatchError(diffs, "receiver", "sender")
-            logger.warning("refusing a sender: %s", error)
+            mismatch = KVLayoutMismatchError(diffs, "receiver", "sender")
+            logger.warning("refusing a sender: %s", mismatch)
+            # the field names and the sender's own values; ours are not the peer's business
+            withheld: dict[str, tuple[object, object]] = {
+                k: ("(not disclosed)", theirs) for k, (_, theirs) in diffs.items()
+            }
+            self._count("refused")
+            error = KVLayoutMismatchError(withheld, "receiver", "sender")
             conn.fs.send_json(Kind.REFUSE, "", error_to_wire(error))
             return False
         welcome: dict[str, object] = {
@@ -171,7 +252,11 @@ class StreamReceiver(TableReceiver):
             "num_blocks": self.spec.num_blocks,
         }
         welcome.update(self._welcome_extra(conn))
+        if secret is not None:
+            welcome["mac"] = auth.welcome_mac(secret, nonce, peer_nonce, welcome)
         conn.fs.send_json(Kind.WELCOME, "", welcome)
+        conn.authenticated = True
+        conn.last_frame_at = time.monotonic()
         self._on_connected(conn, hello)
         return True
 
@@ -186,13 +271,22 @@ class StreamReceiver(TableReceiver):
                 TransferState.FAILED,
                 PeerLostError(f"sender connection lost after {record.num_layers_done} layers"),
             )
-            self._table.unfence(record.request_id, conn)  # a dead writer writes no more
+            if self._writer_stopped(record, conn.state.get("peer_closed") is True):
+                self._table.unfence(record.request_id, conn)
         self._on_disconnected(conn)
+
+    def _writer_stopped(self, record: TransferRecord, peer_closed: bool) -> bool:
+        """Called when `record`'s connection ended (`peer_closed`: the sender closed it, not
+        us): whether no write into its blocks can happen any more. Here the writer is this
+        connection's reader thread, which just stopped (tcp; nccl's barrier runs later)."""
+        return True
 
     # -- frames ----------------------------------------------------------------------------
 
     def _dispatch(self, conn: SenderConnection, header: Header) -> None:
         kind, rid = header.kind, header.request_id
+        if kind is not Kind.LAYER and header.nbytes > MAX_CONTROL_BYTES:
+            raise ProtocolError(f"{kind.name} frame with a payload of {header.nbytes} bytes")
         if kind is Kind.BEGIN:
             self._on_begin(conn, header)
         elif kind is Kind.LAYER:
@@ -237,6 +331,15 @@ class StreamReceiver(TableReceiver):
 
     def _on_layer(self, conn: SenderConnection, header: Header) -> None:
         record = self._table.get(header.request_id)
+        # The payload's size follows from the layout and the ticket's block count: checked
+        # before a byte is read (an unknown request: at most a whole cache layer).
+        num_blocks = self.spec.num_blocks if record is None else len(record.block_ids)
+        expected = self._layer_payload_bytes(num_blocks)
+        if header.nbytes != expected and (record is not None or header.nbytes > expected):
+            raise ProtocolError(
+                f"LAYER frame of {header.request_id!r} with {header.nbytes} payload bytes, "
+                f"expected {expected}"
+            )
         if (
             record is None
             or record.peer is not conn
@@ -285,12 +388,15 @@ class StreamReceiver(TableReceiver):
             return
         with contextlib.suppress(PeerLostError):
             conn.fs.send_json(Kind.ABORT, request_id, error_to_wire(error), layer=state.code)
-        if not conn.alive or conn.fs.closed:
+        if (not conn.alive or conn.fs.closed) and record is not None and self._writer_gone(record):
             self._table.unfence(request_id, conn)
 
-    def _on_fence_timeout(self, record: TransferRecord) -> None:
+    def _on_fence_timeout(self, record: TransferRecord) -> bool:
+        """Cut the connection: this process's reader thread is the writer (tcp, nccl), and
+        the release that follows waits for the layer it is landing (write_lock, barrier)."""
         if isinstance(record.peer, SenderConnection):
             record.peer.fs.close()  # its reader thread stops writing; _drop cleans up
+        return True
 
     def _shutdown(self) -> None:
         with contextlib.suppress(OSError):
@@ -305,7 +411,11 @@ class StreamReceiver(TableReceiver):
                 conn.thread.join(timeout=5.0)
 
 
-def _as_dict(obj: object) -> dict[str, object]:
+def _layout(obj: object) -> KVLayout:
+    """The layout a HELLO claims; a malformed one is a protocol error."""
     if not isinstance(obj, dict):
-        raise PeerLostError("malformed handshake")
-    return obj
+        raise ProtocolError("malformed handshake")
+    try:
+        return KVLayout.from_dict(obj)
+    except TypeError:
+        raise ProtocolError("malformed layout in the handshake") from None

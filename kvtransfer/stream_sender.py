@@ -2,7 +2,9 @@
 
 `send_layer`/`finish` only enqueue. One worker thread drains the queue in order:
 
-    connection (cached per endpoint): HELLO -> WELCOME | REFUSE (-> KVLayoutMismatchError)
+    connection (cached per endpoint, replaced after `idle_timeout_s / 2` unused):
+        CHALLENGE -> HELLO (our proof of the secret) -> WELCOME (the receiver's proof,
+        checked before any write) | REFUSE (-> AuthenticationError, KVLayoutMismatchError)
     first item of a ticket: epoch check, BEGIN -> wait ACCEPT | REJECT
     layer items: backend `_write_layers` (shm: copy into the mapped cache, all layers
         already queued in one native call; tcp: one payload frame per layer)
@@ -22,16 +24,19 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 
 import torch
 
 from engine.kv_cache import KVCacheSpec
+from kvtransfer import auth
 from kvtransfer.base import (
     KVLayout,
     KVTransferError,
     PeerLostError,
+    ProtocolError,
     ReleaseFn,
     StaleEpochError,
     Ticket,
@@ -45,7 +50,7 @@ from kvtransfer.base import (
 from kvtransfer.connections import ABORT_ITEM, FINISH_ITEM, LayerItem, ReceiverConnection
 from kvtransfer.core import RejectedError, TableSender
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Header, Kind
+from kvtransfer.wire import FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +225,16 @@ class StreamSender(TableSender):
     def _connection(self, endpoint: str, timeout_s: float) -> ReceiverConnection:
         with self._connections_lock:
             conn = self._connections.get(endpoint)
+            now = time.monotonic()
             if conn is not None and conn.alive:
-                return conn
+                # The receiver closes connections idle for `idle_timeout_s`; replace ours at
+                # half that, so a BEGIN never races its close.
+                stale = now - conn.last_used > self.options.idle_timeout_s / 2
+                if not stale or self._table.records_bound_to(conn):
+                    conn.last_used = now
+                    return conn
+                conn.alive = False
+                conn.fs.close()  # its reader thread drops it
             conn = self._handshake(endpoint, timeout_s)
             self._connections[endpoint] = conn
         conn.thread = threading.Thread(
@@ -237,24 +250,18 @@ class StreamSender(TableSender):
             raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
         fs = FrameSocket(sock, self._io_timeout_s)
         try:
-            fs.send_json(
-                Kind.HELLO, "", {"version": PROTOCOL_VERSION, "layout": self.layout.to_dict()}
-            )
             fs.limit_reads(timeout_s)
-            header = fs.recv_header()
-            if header is None:
-                raise PeerLostError(f"{endpoint} closed the connection during the handshake")
-            body = fs.recv_json(header)
+            welcome = auth.sender_handshake(fs, endpoint, self.layout, self.options.secret)
             fs.limit_reads(None)
-            if header.kind is Kind.REFUSE:
-                raise error_from_wire(body, f"receiver at {endpoint}")
-            if header.kind is not Kind.WELCOME:
-                raise PeerLostError(f"expected WELCOME from {endpoint}, got {header.kind.name}")
-            remote = body.get("layout")
+            remote = welcome.get("layout")
             if not isinstance(remote, dict):
-                raise PeerLostError("malformed WELCOME")
-            self.layout.check_matches(KVLayout.from_dict(remote), "sender", "receiver")
-            conn = ReceiverConnection(fs, endpoint, body)
+                raise ProtocolError("malformed WELCOME")
+            try:
+                layout = KVLayout.from_dict(remote)
+                conn = ReceiverConnection(fs, endpoint, welcome)
+            except (TypeError, KeyError, ValueError):
+                raise ProtocolError(f"malformed WELCOME from {endpoint}") from None
+            self.layout.check_matches(layout, "sender", "receiver")
             self._on_welcome(conn)
             return conn
         except BaseException:
@@ -300,16 +307,18 @@ class StreamSender(TableSender):
 
     def _drop(self, conn: ReceiverConnection) -> None:
         conn.alive = False
+        lost = PeerLostError(f"connection to receiver {conn.endpoint} lost")
+        # Stop writing before closing: the receiver frees the blocks of a live sender's
+        # transfers when it sees the connection close (shm: we write its memory).
+        for record in self._table.records_bound_to(conn):
+            with record.write_lock:
+                self._table.finish(record.request_id, TransferState.FAILED, lost)
         conn.fs.close()
         with self._connections_lock:
             if self._connections.get(conn.endpoint) is conn:
                 del self._connections[conn.endpoint]
-        lost = PeerLostError(f"connection to receiver {conn.endpoint} lost")
         for pending in list(conn.pending.values()):
             _resolve(pending, lost)
-        for record in self._table.records_bound_to(conn):
-            with record.write_lock:
-                self._table.finish(record.request_id, TransferState.FAILED, lost)
         self._on_disconnected(conn)
 
     # -- ending transfers from this side ---------------------------------------------------

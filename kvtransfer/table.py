@@ -6,12 +6,15 @@ A `TransferTable` holds one `TransferRecord` per request id and guarantees:
   `release_on_done` is false, i.e. on the receiver), never while a table lock is held,
   only after any local writer of the request's blocks finished its current layer
   (`write_lock`), and only after a *fence* is lifted: when another process may still be
-  writing the blocks (`shm`), release waits for its acknowledgement, its death, or
-  `fence_timeout_s`;
+  writing the blocks (`shm`), release waits for its acknowledgement or its death. After
+  `fence_timeout_s` without either, the owner's fence-timeout handler decides: cut the
+  writer off and release (a writer that is our own thread), or keep the blocks
+  *quarantined* until the writer is proven stopped (another process, e.g. one that is
+  SIGSTOPped: cutting its connection does not stop its copy);
 - terminal records linger `tombstone_ttl_s` so late polls and late frames are answered.
 
-A `Reaper` thread calls its owner's `reap()` periodically: expire overdue transfers, lift
-timed-out fences, forget old tombstones.
+A `Reaper` thread calls its owner's `reap()` periodically: expire overdue transfers, time
+out fences, forget old tombstones.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class TransferRecord:
     peer: object | None = None  # the connection this transfer is bound to, if any
     fenced: bool = False  # release waits until the remote writer confirms it stopped
     fence_deadline: float = 0.0  # monotonic
+    quarantined: bool = False  # fenced past fence_deadline: held until the writer is gone
     released: bool = False  # release() called (or not due: DONE on the receiver)
     ended_at: float = 0.0  # monotonic time of the terminal transition
     # Held by a local thread while it writes (or reads) this request's blocks.
@@ -190,7 +194,7 @@ class TransferTable:
                 return
             if peer is not None and record.peer is not peer:
                 return
-            record.fenced = False
+            record.fenced = record.quarantined = False
             self._changed.notify_all()
         self._settle(record)
 
@@ -236,6 +240,22 @@ class TransferTable:
         with self._lock:
             return [r for r in self._records.values() if r.fenced]
 
+    def quarantined_records(self) -> list[TransferRecord]:
+        """Fenced records whose fence timed out with the writer possibly still running."""
+        with self._lock:
+            return [r for r in self._records.values() if r.quarantined]
+
+    def counts(self) -> dict[str, int]:
+        """`num_open` transfers, `num_fenced` (ended, waiting for the writer to confirm it
+        stopped) and of those `num_quarantined` (fence timed out, writer may still run)."""
+        with self._lock:
+            records = list(self._records.values())
+        return {
+            "num_open": sum(not r.state.is_terminal for r in records),
+            "num_fenced": sum(r.fenced for r in records),
+            "num_quarantined": sum(r.quarantined for r in records),
+        }
+
     # -- housekeeping (reaper) -------------------------------------------------------------
 
     def overdue(self, now: float) -> list[str]:
@@ -247,19 +267,21 @@ class TransferTable:
                 if not r.state.is_terminal and r.deadline <= now
             ]
 
-    def sweep(self, on_fence_timeout: Callable[[TransferRecord], None] | None = None) -> None:
-        """Lift fences that timed out, and forget settled tombstones past their TTL.
+    def sweep(self, on_fence_timeout: Callable[[TransferRecord], bool] | None = None) -> None:
+        """Time out fences, and forget settled tombstones past their TTL.
 
-        `on_fence_timeout(record)` runs before such a record's blocks are released (the
-        receiver cuts the writer's connection there).
+        For each fence past its deadline, `on_fence_timeout(record)` says whether the blocks
+        may go now (the receiver cut the writer off there): True releases them, False keeps
+        them quarantined until `unfence` (the writer acknowledged or is proven gone).
+        Without a handler a timed-out fence is lifted.
         """
         now = time.monotonic()
         with self._lock:
-            stuck = [r for r in self._records.values() if r.fenced and r.fence_deadline <= now]
-            for r in stuck:
-                r.fenced = False
-            if stuck:
-                self._changed.notify_all()
+            stuck = [
+                r
+                for r in self._records.values()
+                if r.fenced and not r.quarantined and r.fence_deadline <= now
+            ]
             stale = [
                 rid
                 for rid, r in self._records.items()
@@ -268,17 +290,30 @@ class TransferTable:
             for rid in stale:
                 del self._records[rid]
         for r in stuck:
+            try:
+                release_now = on_fence_timeout is None or on_fence_timeout(r)
+            except Exception:
+                logger.exception("fence timeout handler failed for %r", r.request_id)
+                release_now = False  # keep the blocks: a stray write is worse than a leak
+            if release_now:
+                logger.warning(
+                    "transfer %r: writer did not confirm it stopped within %.1fs; cut off",
+                    r.request_id,
+                    self._fence_timeout_s,
+                )
+                self.unfence(r.request_id)
+                continue
+            with self._lock:
+                if not r.fenced:  # acknowledged meanwhile
+                    continue
+                r.quarantined = True
             logger.warning(
-                "transfer %r: writer did not confirm it stopped within %.1fs; releasing anyway",
+                "transfer %r: writer did not confirm it stopped within %.1fs and may still "
+                "run; its %d blocks stay quarantined until it acknowledges or is gone",
                 r.request_id,
                 self._fence_timeout_s,
+                len(r.block_ids),
             )
-            if on_fence_timeout is not None:
-                try:
-                    on_fence_timeout(r)
-                except Exception:
-                    logger.exception("fence timeout handler failed for %r", r.request_id)
-            self._settle(r)
 
 
 class Reaper:

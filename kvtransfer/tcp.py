@@ -95,6 +95,9 @@ class TcpReceiver(StreamReceiver):
         host, port = self._advertised
         return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
+    def _layer_payload_bytes(self, num_blocks: int) -> int:
+        return 2 * num_blocks * self.spec.bytes_per_block_per_layer
+
     def _receive_layer(
         self, conn: SenderConnection, record: TransferRecord, header: Header
     ) -> None:

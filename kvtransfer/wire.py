@@ -6,9 +6,11 @@ Every frame is a fixed 32-byte little-endian header, the request id (utf-8), the
     magic u32 | kind u8 | flags u8 | rid_len u16 | layer u32 | epoch u64 | nbytes u64 | crc u32
 
 `layer` doubles as a state code for ABORT/RESULT frames. Control payloads are small JSON
-objects; LAYER payloads are raw block bytes (tcp) or absent (shm, nccl: the data moves
-out of band). Frames are written whole under a per-socket lock, so threads may interleave
-frames but never bytes; payloads are read with `recv_into` into caller-owned buffers.
+objects (at most `MAX_CONTROL_BYTES`); LAYER payloads are raw block bytes (tcp) or absent
+(shm, nccl: the data moves out of band), and the receiver checks their size against the
+ticket before reading a byte. A frame that breaks these rules is a `ProtocolError`.
+Frames are written whole under a per-socket lock, so threads may interleave frames but
+never bytes; payloads are read with `recv_into` into caller-owned buffers.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtransfer.base import PeerLostError
+from kvtransfer.base import PeerLostError, PeerTimeoutError, ProtocolError
 
 MAGIC = 0x564B4450  # b"PDKV" little-endian
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+MAX_CONTROL_BYTES = 64 * 1024  # any payload but a LAYER's: JSON objects, request ids
 _HEADER = struct.Struct("<IBBHIQQI")
 HEADER_SIZE = _HEADER.size
 FLAG_CRC = 0x1
@@ -35,8 +38,8 @@ IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's limit)
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # sender -> receiver, JSON {version, layout}: first frame of a connection
-    WELCOME = 2  # receiver -> sender, JSON {layout, epoch, ...backend extras}
+    HELLO = 1  # sender -> receiver, JSON {version, layout, nonce, mac}: answers CHALLENGE
+    WELCOME = 2  # receiver -> sender, JSON {layout, epoch, ...backend extras, mac}
     REFUSE = 3  # receiver -> sender, JSON error; the receiver then closes the connection
     BEGIN = 4  # sender -> receiver: start the transfer of rid (ticket epoch in `epoch`)
     ACCEPT = 5  # receiver -> sender: rid bound to this connection, write away
@@ -46,6 +49,7 @@ class Kind(enum.IntEnum):
     ABORT = 9  # either way, `layer` = terminal state code, JSON error: rid ended
     ABORT_ACK = 10  # sender -> receiver: no more writes to rid's blocks will happen
     RESULT = 11  # receiver -> sender, `layer` = terminal state code: rid's outcome
+    CHALLENGE = 12  # receiver -> sender, JSON {version, nonce, auth}: first frame (see auth)
 
 
 @dataclass(slots=True)
@@ -142,13 +146,19 @@ class FrameSocket:
             return None
         magic, kind, flags, rid_len, layer, epoch, nbytes, crc = _HEADER.unpack(self._header)
         if magic != MAGIC:
-            raise PeerLostError(f"bad frame magic {magic:#x}: not a pdserve KV peer")
+            raise ProtocolError(f"bad frame magic {magic:#x}: not a pdserve KV peer")
+        if kind not in _KINDS:
+            raise ProtocolError(f"unknown frame kind {kind}")
         rid = b""
-        if rid_len:
+        if rid_len:  # u16: at most 64 KiB
             raw = bytearray(rid_len)
             self._recv_exact(memoryview(raw))
             rid = bytes(raw)
-        return Header(Kind(kind), flags, rid.decode(), layer, epoch, nbytes, crc)
+        try:
+            request_id = rid.decode()
+        except UnicodeDecodeError:
+            raise ProtocolError("request id is not utf-8") from None
+        return Header(Kind(kind), flags, request_id, layer, epoch, nbytes, crc)
 
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` completely from the socket (a frame's payload)."""
@@ -172,11 +182,20 @@ class FrameSocket:
             i = _advance(views, i, got)
 
     def recv_json(self, header: Header) -> dict[str, object]:
+        """A control frame's JSON object payload; larger than `MAX_CONTROL_BYTES`: refused."""
+        if header.nbytes > MAX_CONTROL_BYTES:
+            raise ProtocolError(
+                f"{header.kind.name} payload of {header.nbytes} bytes exceeds the "
+                f"{MAX_CONTROL_BYTES}-byte limit of control frames"
+            )
         raw = bytearray(header.nbytes)
         self._recv_exact(memoryview(raw))
-        obj = json.loads(raw) if raw else {}
+        try:
+            obj = json.loads(raw) if raw else {}
+        except (ValueError, RecursionError):
+            raise ProtocolError(f"{header.kind.name} payload is not JSON") from None
         if not isinstance(obj, dict):
-            raise PeerLostError("control payload is not a JSON object")
+            raise ProtocolError("control payload is not a JSON object")
         return obj
 
     def discard(self, nbytes: int) -> None:
@@ -196,16 +215,17 @@ class FrameSocket:
             except TimeoutError:
                 if self._closed:
                     raise PeerLostError("connection closed") from None
-                if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
-                    raise PeerLostError("peer did not answer in time") from None
-                continue  # idle between frames (or a slow peer): liveness is the deadline's job
+                n = -1  # idle between frames (or a slow peer): liveness is the deadline's job
             except OSError as exc:
                 raise PeerLostError(f"receive failed: {exc}") from exc
+            # checked after data too: a peer trickling bytes must not outlast the limit
+            if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+                raise PeerTimeoutError("peer did not answer in time")
             if n == 0:
                 if got == 0 and allow_eof:
                     return False
                 raise PeerLostError("peer closed the connection mid-frame")
-            got += n
+            got += max(n, 0)
         return True
 
     def close(self) -> None:
@@ -216,6 +236,9 @@ class FrameSocket:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+_KINDS = frozenset(int(k) for k in Kind)
 
 
 def _advance(views: list[memoryview], i: int, nbytes: int) -> int:

@@ -76,11 +76,13 @@ class PrefillServer:
                 f"ticket for {rid} has {len(ticket.block_ids)} blocks, prompt needs "
                 f"{self.engine.kv_manager.num_blocks_for(len(request.prompt_token_ids))}"
             )
-        await asyncio.to_thread(self.sender.connect, ticket, ticket.seconds_left())
-        self._tickets[rid] = ticket
         self.replica.counters["requests"] += 1
         first = None
         try:
+            # Inside the try: a caller cancelled mid-handshake still gets the transfer
+            # aborted (the connect thread runs on; abort reaches the receiver either way).
+            await asyncio.to_thread(self.sender.connect, ticket, ticket.seconds_left())
+            self._tickets[rid] = ticket
             async for delta in self.replica.loop.generate(request):
                 first = delta
             if first is None or first.finish_reason != "prefilled":
@@ -144,6 +146,7 @@ class PrefillServer:
     # ---- operations ------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """Never waits on the engine thread: fine on the event loop or in Serve's threads."""
         return {"pool": self.pool, **self.replica.stats()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -151,8 +154,8 @@ class PrefillServer:
         return await self.replica.routing_stats()
 
     def check_health(self) -> None:
-        if not self.replica.loop.is_alive:
-            raise RuntimeError("prefill engine loop is dead")
+        """Serve's health check: fails when the engine loop is dead or stuck (cheap)."""
+        self.replica.check_health()
 
     def shutdown(self) -> None:
         self.sender.close()

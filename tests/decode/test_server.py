@@ -1,4 +1,5 @@
-"""Decode-as-orchestrator in one process: real prefill and decode servers, `local` KV transfer.
+"""Decode-as-orchestrator in one process: real prefill and decode servers, KV over `local`,
+and over `shm`/`tcp` for the ownership tests (a cancellation at each await point).
 
 The prefill pool is reached through a small in-process stand-in for a Serve handle (the
 Serve path itself is exercised end to end in tests/app).
@@ -7,17 +8,26 @@ Serve path itself is exercised end to end in tests/app).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from decode.protocol import GenerationSpec
-from decode.server import DecodeServer
+from decode.server import DecodeServer, Reservation
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
+from kvtransfer import (
+    Ticket,
+    TransferOptions,
+    TransferState,
+    UnknownTransferError,
+    create_sender,
+)
 from prefill.server import PrefillServer
 
 PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "tiny", "x" * 70]
@@ -167,3 +177,262 @@ def test_unresponsive_prefill_pool_times_out_then_prefills_locally(model_dir, ex
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+# ---- KV ownership: every cancellation point leaves nothing behind (shm and tcp) ---------
+
+
+class GatedHandle(InProcessHandle):
+    """Runs the real prefill; `after_prefill` is called once the result is in (while the
+    decode side has not yet seen it)."""
+
+    def __init__(self, server: PrefillServer) -> None:
+        super().__init__(server)
+        self.after_prefill: Callable[[], None] = lambda: None
+
+    def remote(self, *args: object) -> asyncio.Future:
+        if self.calls < self.fail_times:
+            return super().remote(*args)
+        self.calls += 1
+
+        async def call() -> object:
+            result = await self._server.prefill(*args)  # type: ignore[attr-defined]
+            self.after_prefill()
+            return result
+
+        return asyncio.ensure_future(call())
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def kv_servers(request: pytest.FixtureRequest, model_dir: Path):
+    config = EngineConfig(model_dir=str(model_dir))
+    options = TransferOptions(fence_timeout_s=2.0, reap_interval_s=0.02)
+    prefill = PrefillServer(config, backend=request.param, transfer_options=options)
+    handle = GatedHandle(prefill)
+    decode = DecodeServer(
+        config,
+        backend=request.param,
+        transfer_options=options,
+        prefill_pools={"p": handle},
+        deadline_s=10,
+    )
+    yield prefill, decode, handle
+    decode.shutdown()
+    prefill.shutdown()
+
+
+class Gate:
+    """Holds an engine thread inside a command until opened (a busy step, made long)."""
+
+    def __init__(self, server: PrefillServer | DecodeServer) -> None:
+        self._open = threading.Event()
+        self._server = server
+
+    def close(self) -> None:
+        self._server.replica.loop.call(lambda: self._open.wait(30.0))
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def assert_nothing_held(prefill: PrefillServer, decode: DecodeServer) -> None:
+    """Every block of both pools free, no reservation, transfer or stream left on decode."""
+
+    def engine_clean(server: PrefillServer | DecodeServer) -> bool:
+        def check() -> bool:
+            kv = server.engine.kv_manager
+            return kv.num_free_blocks == server.engine.kv_spec.num_blocks
+
+        return server.replica.loop.call(check).result(timeout=10)
+
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if engine_clean(prefill) and engine_clean(decode) and not decode._reservations:
+            break
+        time.sleep(0.05)
+    assert engine_clean(prefill) and engine_clean(decode)
+    assert decode._reservations == {}
+    assert decode.loop._streams == {}
+    assert decode.stats()["kv_transfers"] == {"num_open": 0, "num_fenced": 0, "num_quarantined": 0}
+
+
+async def cancel_when(task: asyncio.Task, ready: Callable[[], bool]) -> None:
+    """Cancel `task` as soon as `ready()` holds (polled on the event loop)."""
+    deadline = time.monotonic() + 20.0
+    while not ready():
+        assert time.monotonic() < deadline, "cancellation point never reached"
+        assert not task.done(), task
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_cancel_between_reserve_and_ticket(kv_servers) -> None:
+    prefill, decode, handle = kv_servers
+    spec = spec_for(decode, 0, PROMPTS[0])
+    gate = Gate(decode)
+
+    async def run() -> None:
+        gate.close()  # the reservation waits on the engine thread
+        task = asyncio.ensure_future(collect(decode, spec))
+        await cancel_when(task, lambda: f"{spec.request_id}#0" in decode._reservations)
+        gate.open()
+
+    asyncio.run(run())
+    assert handle.calls == 0
+    assert_nothing_held(prefill, decode)
+
+
+def test_cancel_during_the_prefill_call_mid_transfer(kv_servers) -> None:
+    prefill, decode, handle = kv_servers
+    spec = spec_for(decode, 0, PROMPTS[0])
+    gate = Gate(prefill)
+    tid = f"{spec.request_id}#0"
+
+    def bound() -> bool:  # the prefill's sender connected: a writer owns the blocks
+        return _known(decode, tid) and decode.receiver.poll(tid) is TransferState.TRANSFERRING
+
+    async def run() -> None:
+        gate.close()  # prefill connects, then its engine is busy
+        task = asyncio.ensure_future(collect(decode, spec))
+        await cancel_when(task, bound)
+        gate.open()
+
+    asyncio.run(run())
+    assert decode.receiver.poll(tid) is TransferState.ABORTED
+    assert_nothing_held(prefill, decode)
+
+
+def test_cancel_while_start_is_queued(kv_servers) -> None:
+    prefill, decode, handle = kv_servers
+    spec = spec_for(decode, 0, PROMPTS[0])
+    gate = Gate(decode)
+    handle.after_prefill = gate.close  # the KV landed; decode's engine is busy
+
+    async def run() -> None:
+        task = asyncio.ensure_future(collect(decode, spec))
+        await cancel_when(task, lambda: decode.replica.counters["remote_prefill"] == 1)
+        gate.open()
+
+    asyncio.run(run())
+    # start and then the abort ran right away, before any step could decode a token
+    known = decode.loop.call(lambda: list(decode.engine.scheduler.requests))
+    assert known.result(timeout=10) == []
+    assert decode.receiver.poll(f"{spec.request_id}#0") is TransferState.DONE
+    assert_nothing_held(prefill, decode)
+
+
+def test_kv_servers_retry_after_a_failed_attempt(kv_servers, expected) -> None:
+    prefill, decode, handle = kv_servers
+    handle.fail_times = 1
+    tokens = asyncio.run(collect(decode, spec_for(decode, 0, PROMPTS[0])))
+    assert tokens == expected[0]
+    counters = decode.stats()["counters"]
+    assert counters["prefill_failures"] == 1 and counters["remote_prefill"] == 1
+    assert_nothing_held(prefill, decode)
+
+
+def test_expired_leases_of_gone_owners_come_back(kv_servers) -> None:
+    """The lease check is a backstop for an owner that vanished without cleaning up (no
+    code path does that: the reservations are made by hand here). A transfer still open is
+    aborted through the receiver; KV that landed but never started decoding is freed."""
+    prefill, decode, _ = kv_servers
+    pending, landed = (spec_for(decode, i, PROMPTS[0]) for i in range(2))
+
+    async def reserve(spec: GenerationSpec) -> tuple[Reservation, Ticket]:
+        reservation = Reservation(f"{spec.request_id}#0")
+        ticket = await decode._reserve(spec, reservation)
+        assert ticket is not None
+        return reservation, ticket
+
+    async def run() -> tuple[Reservation, Ticket, Reservation, Ticket]:
+        return (*await reserve(pending), *await reserve(landed))  # type: ignore[return-value]
+
+    open_res, _, landed_res, landed_ticket = asyncio.run(run())
+    kv = prefill.engine.kv_cache
+    for layer in range(prefill.engine.kv_spec.num_layers):
+        src = list(range(landed_ticket.num_blocks))
+        prefill.sender.send_layer(
+            landed_ticket, layer, kv.key_caches[layer], kv.value_caches[layer], src
+        )
+    prefill.sender.finish(landed_ticket)
+    assert decode.receiver.wait(landed_res.transfer_id, 10.0) is TransferState.DONE
+    assert decode.receiver.poll(open_res.transfer_id) is TransferState.PENDING
+    for reservation in (open_res, landed_res):
+        assert decode._reservations[reservation.transfer_id] is reservation
+        reservation.owned, reservation.expires_at = False, 0.0
+    assert_nothing_held(prefill, decode)
+    assert decode.receiver.poll(open_res.transfer_id) is TransferState.ABORTED
+    assert decode.receiver.poll(landed_res.transfer_id) is TransferState.DONE
+
+
+def test_retry_does_not_wait_for_a_dead_attempts_fenced_blocks(kv_servers, expected) -> None:
+    """Attempt 0's writer never confirms it stopped (its copy is stuck holding the write
+    lock): its blocks stay fenced (shm: quarantined) while attempt 1 serves the request;
+    they come back once the writer lets go."""
+    prefill, decode, handle = kv_servers
+    backend = decode.receiver.backend
+    stuck = create_sender(
+        backend,
+        prefill.engine.kv_spec,
+        model_id=prefill.replica.model_id,
+        release=lambda rid: None,
+        options=TransferOptions(),
+    )
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold(lock: object) -> None:
+        with lock:  # type: ignore[attr-defined]
+            holding.set()
+            let_go.wait(30.0)
+
+    async def stuck_prefill(request: object, ticket: Ticket) -> None:
+        await asyncio.to_thread(stuck.connect, ticket, 5.0)
+        lock = stuck._table.require(ticket.request_id).write_lock  # type: ignore[attr-defined]
+        threading.Thread(target=hold, args=(lock,), daemon=True).start()
+        await asyncio.to_thread(holding.wait, 10.0)
+        raise ConnectionError("prefill replica died mid-copy")
+
+    real_remote = handle.remote
+
+    def remote(*args: object) -> asyncio.Future:
+        if handle.calls == 0:
+            handle.calls += 1
+            return asyncio.ensure_future(stuck_prefill(*args))  # type: ignore[arg-type]
+        return real_remote(*args)
+
+    handle.remote = remote  # type: ignore[method-assign]
+    try:
+        spec = spec_for(decode, 0, PROMPTS[0])
+        assert asyncio.run(collect(decode, spec)) == expected[0]
+        counters = decode.stats()["counters"]
+        assert counters["prefill_failures"] == 1 and counters["remote_prefill"] == 1
+        dead = f"{spec.request_id}#0"
+        assert decode.receiver.poll(dead) is TransferState.ABORTED
+        if backend == "shm":  # (tcp cuts the connection at the fence timeout, and frees)
+            assert eventually(lambda: decode.stats()["kv_transfers"]["num_quarantined"] == 1)
+            assert dead in decode._reservations  # not freed while its writer may still write
+        let_go.set()
+        assert_nothing_held(prefill, decode)
+    finally:
+        let_go.set()
+        stuck.close()
+
+
+def eventually(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _known(decode: DecodeServer, transfer_id: str) -> bool:
+    assert decode.receiver is not None
+    try:
+        decode.receiver.poll(transfer_id)
+    except UnknownTransferError:
+        return False
+    return True

@@ -164,5 +164,31 @@ def test_fence_timeout_cuts_the_writer_before_release_and_barrier_runs_last() ->
     t.bind(rec, object())
     t.finish("r", TransferState.ABORTED, fence_if_bound=True)
     assert events == []
-    t.sweep(lambda r: events.append(f"cut {r.request_id}"))
+
+    def cut(r: TransferRecord) -> bool:
+        events.append(f"cut {r.request_id}")
+        return True
+
+    t.sweep(cut)
     assert events == ["cut r", "barrier r", "release r"]
+
+
+def test_fence_timeout_quarantines_until_unfenced_when_the_writer_may_still_run() -> None:
+    released: list[str] = []
+    t = TransferTable(released.append, release_on_done=False, fence_timeout_s=0.0)
+    peer = object()
+    rec = t.add(record())
+    t.bind(rec, peer)
+    t.finish("r", TransferState.ABORTED, fence_if_bound=True)
+    t.sweep(lambda r: False)
+    t.sweep(lambda r: False)
+    assert released == [] and rec.quarantined and rec.fenced
+    assert t.quarantined_records() == [rec]
+    assert t.counts() == {"num_open": 0, "num_fenced": 1, "num_quarantined": 1}
+    with pytest.raises(ValueError):
+        t.add(record())  # the id stays taken while its blocks are quarantined
+    t.unfence("r", object())  # another connection's word does not count
+    assert released == []
+    t.unfence("r", peer)
+    assert released == ["r"] and not rec.quarantined
+    assert t.counts() == {"num_open": 0, "num_fenced": 0, "num_quarantined": 0}

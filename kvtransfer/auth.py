@@ -1,0 +1,121 @@
+"""Mutual authentication of a KV control connection with the application's shared secret.
+
+The receiver speaks first (`CHALLENGE` with its nonce); the sender answers `HELLO` with its
+own nonce and `hello_mac`; the receiver checks it before looking at anything else and
+answers `WELCOME` with `welcome_mac`, which the sender checks before it writes a byte:
+
+    receiver ── CHALLENGE {version, nonce_r, auth} ─────────────────────▶ sender
+    receiver ◀── HELLO {version, layout, nonce_s, mac=H("hello", r, s, hello)} ── sender
+    receiver ── WELCOME {layout, epoch, ..., mac=H("welcome", r, s, welcome)} ─▶ sender
+
+H is HMAC-SHA256 keyed with the secret over a label, both nonces and the frame's other
+fields as canonical JSON. The labels keep one side's proof from being replayed as the
+other's; fresh nonces on both sides keep a recorded proof from being replayed later. A
+receiver without a secret says `auth: false`, and a sender holding one refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+
+from kvtransfer.base import (
+    AuthenticationError,
+    KVLayout,
+    KVTransferError,
+    PeerLostError,
+    ProtocolError,
+    error_from_wire,
+)
+from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Kind
+
+NONCE_BYTES = 32
+AUTH_FAILED = "authentication failed"  # the whole refusal an unauthenticated peer gets
+_HELLO_LABEL = b"pdserve-kv-hello/v2"
+_WELCOME_LABEL = b"pdserve-kv-welcome/v2"
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def hello_mac(secret: str, nonce_r: str, nonce_s: str, hello: dict[str, object]) -> str:
+    """The sender's proof: binds both nonces and the HELLO's fields (less `mac`)."""
+    return _mac(secret, _HELLO_LABEL, nonce_r, nonce_s, hello)
+
+
+def welcome_mac(secret: str, nonce_r: str, nonce_s: str, welcome: dict[str, object]) -> str:
+    """The receiver's proof: binds both nonces and the WELCOME's fields (less `mac`)."""
+    return _mac(secret, _WELCOME_LABEL, nonce_r, nonce_s, welcome)
+
+
+def verify(expected: str, frame: dict[str, object]) -> bool:
+    """Whether `frame["mac"]` equals `expected` (constant time)."""
+    got = frame.get("mac")
+    return isinstance(got, str) and hmac.compare_digest(got.encode(), expected.encode())
+
+
+def sender_handshake(
+    fs: FrameSocket, endpoint: str, layout: KVLayout, secret: str | None
+) -> dict[str, object]:
+    """Called by a sender on a fresh connection: read CHALLENGE, send HELLO with our proof,
+    and return the WELCOME once the receiver proved itself (with `secret`).
+
+    Raises the receiver's refusal (AuthenticationError, KVLayoutMismatchError, ...),
+    AuthenticationError for a receiver without a secret or a wrong proof, ProtocolError or
+    PeerLostError for anything else.
+    """
+    challenge = _expect(fs, Kind.CHALLENGE, endpoint)
+    if challenge.get("version") != PROTOCOL_VERSION:
+        raise KVTransferError(
+            f"receiver at {endpoint} speaks protocol version {challenge.get('version')}, "
+            f"we speak {PROTOCOL_VERSION}"
+        )
+    nonce_r = challenge.get("nonce")
+    if not isinstance(nonce_r, str):
+        raise ProtocolError(f"CHALLENGE from {endpoint} without a nonce")
+    if secret is not None and challenge.get("auth") is not True:
+        raise AuthenticationError(
+            f"receiver at {endpoint} does not authenticate (it has no shared secret)"
+        )
+    nonce_s = new_nonce()
+    hello: dict[str, object] = {
+        "version": PROTOCOL_VERSION,
+        "layout": layout.to_dict(),
+        "nonce": nonce_s,
+    }
+    if secret is not None:
+        hello["mac"] = hello_mac(secret, nonce_r, nonce_s, hello)
+    fs.send_json(Kind.HELLO, "", hello)
+    header = fs.recv_header()
+    if header is None:
+        raise PeerLostError(f"{endpoint} closed the connection during the handshake")
+    body = fs.recv_json(header)
+    if header.kind is Kind.REFUSE:
+        raise error_from_wire(body, f"receiver at {endpoint}")
+    if header.kind is not Kind.WELCOME:
+        raise ProtocolError(f"expected WELCOME from {endpoint}, got {header.kind.name}")
+    if secret is not None and not verify(welcome_mac(secret, nonce_r, nonce_s, body), body):
+        raise AuthenticationError(
+            f"receiver at {endpoint} could not prove it holds the shared secret"
+        )
+    return body
+
+
+def _expect(fs: FrameSocket, kind: Kind, endpoint: str) -> dict[str, object]:
+    """The JSON payload of the next frame, which must be a `kind` frame."""
+    header = fs.recv_header()
+    if header is None:
+        raise PeerLostError(f"{endpoint} closed the connection during the handshake")
+    if header.kind is not kind:
+        raise ProtocolError(f"expected {kind.name} from {endpoint}, got {header.kind.name}")
+    return fs.recv_json(header)
+
+
+def _mac(secret: str, label: bytes, nonce_r: str, nonce_s: str, body: dict[str, object]) -> str:
+    fields = {k: v for k, v in body.items() if k != "mac"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    message = b"\0".join((label, nonce_r.encode(), nonce_s.encode(), canonical))
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
