@@ -226,6 +226,11 @@ class NcclReceiver(_NcclEnd, StreamReceiver):
     def _before_done(self, conn: SenderConnection, record: TransferRecord) -> None:
         self._stream.synchronize()
 
+    def _release_barrier(self, record: TransferRecord) -> None:
+        """Before failed blocks return to the pool: unpacks already queued on the side
+        stream must have landed, or they would write into blocks the engine reuses."""
+        self._stream.synchronize()
+
     def _on_disconnected(self, conn: SenderConnection) -> None:
         self._abort_comm(conn.name)
 

@@ -43,9 +43,10 @@ def test_generate_json_matches_transformers(model_dir: Path) -> None:
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         ids = torch.tensor([tokenizer(prompt).input_ids])
         with torch.no_grad():
-            expected = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                      max_new_tokens=32, do_sample=False)
-        expected_ids = expected[0, ids.shape[1]:].tolist()
+            expected = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+            )
+        expected_ids = expected[0, ids.shape[1] :].tolist()
         assert output["token_ids"] == expected_ids
         assert output["text"] == tokenizer.decode(expected_ids, skip_special_tokens=True)
 
