@@ -48,6 +48,7 @@ from engine.loader import load_model_config
 from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, model_id_for
 from engine.request import Request
+from engine.signals import RecentSamples, decode_signals
 from kvtransfer import (
     KVReceiver,
     KVTransferError,
@@ -131,11 +132,24 @@ class DecodeServer:
         self._next_lease_check = 0.0
         if self.receiver is not None:
             self.loop.between_steps.append(self._check_leases)
+        self._itl_ms = RecentSamples()  # autoscaling signal (event loop only)
 
     # ---- the request -----------------------------------------------------------------
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
         """Stream `spec`'s deltas; prefill remotely when the spec names a prefill pool."""
+        last_token_at: float | None = None
+        # aclosing: when our caller goes away, the inner generator's cleanup runs now.
+        async with contextlib.aclosing(self._generate(spec)) as deltas:
+            async for delta in deltas:
+                if delta.new_token_ids:
+                    now = time.perf_counter()
+                    if last_token_at is not None:
+                        self._itl_ms.add((now - last_token_at) * 1000 / len(delta.new_token_ids))
+                    last_token_at = now
+                yield delta
+
+    async def _generate(self, spec: GenerationSpec) -> AsyncGenerator[RequestOutput, None]:
         request = self._make_request(spec)
         if spec.prefill_pool is None or self.receiver is None:
             self.replica.counters["local_prefill"] += 1
@@ -359,15 +373,27 @@ class DecodeServer:
         stats = {"pool": self.pool, **self.replica.stats()}
         if self.receiver is not None:  # blocks of ended transfers still fenced, quarantined
             stats["kv_transfers"] = self.receiver.transfer_counts()
+            endpoint_stats = getattr(self.receiver, "endpoint_stats", None)
+            if endpoint_stats is not None:  # socket backends: peers refused, by reason
+                stats["kv_endpoint"] = endpoint_stats()
         return stats
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; our replica router reads it. Never blocks the event loop."""
         return await self.replica.routing_stats()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
+        names the signals). Never blocks the event loop."""
+        return decode_signals(self.loop.occupancy, self._itl_ms)
+
     def check_health(self) -> None:
-        """Serve's health check: fails when the engine loop is dead or stuck (cheap)."""
+        """Serve's health check: fails when the engine loop is dead or stuck, or the KV
+        receiver is closed or lost its threads (cheap: reads a few fields)."""
         self.replica.check_health()
+        problem = self.receiver.serving_problem() if self.receiver is not None else None
+        if problem is not None:
+            raise RuntimeError(f"decode KV receiver cannot serve: {problem}")
 
     def shutdown(self) -> None:
         if self.receiver is not None:
