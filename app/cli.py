@@ -19,6 +19,7 @@ BENCHMARKS = {
     "goodput": "bench.goodput",
     "compare": "bench.compare",
     "chaos": "bench.chaos",
+    "autoscale": "bench.autoscale",
 }
 
 

@@ -3,7 +3,8 @@
 `PDServeConfig` is a Serve config file's `applications[0].args`. Unknown keys are errors and
 cross-field checks (every prompt length has a pool, every tenant a decode pool, ...) run on
 load, before any replica starts. The engine gets frozen dataclasses (`to_engine_config`).
-Model, dtype and block size are set once, in `model`, so both pools' KV layouts agree.
+Model, dtype and block size are set once, in `model`, so both pools' KV layouts agree; a
+pool may override only engine sizes (`PoolConfig.engine`; `PDServeConfig.engine_config`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
+from app.admission.config import AdmissionSettings, IngressSettings, check_tenant_classes
+from app.admission.overload_config import OverloadSettings
 from app.config_sections import (
     AutoscalingSettings,
     ConfigError,
+    EngineOverrides,
     HttpSettings,
     LimitSettings,
     ModelSettings,
@@ -28,10 +32,13 @@ from app.config_sections import (
     _Strict,
     read_api_keys,
 )
+from app.observability.config import ObservabilitySettings
+from engine.config import EngineConfig
 
 __all__ = [
     "AutoscalingSettings",
     "ConfigError",
+    "EngineOverrides",
     "HttpSettings",
     "LimitSettings",
     "ModelSettings",
@@ -79,9 +86,24 @@ class PDServeConfig(_Strict):
         "default: such a config refuses to start.",
     )
     limits: LimitSettings = Field(default_factory=LimitSettings, description="Request size limits.")
+    admission: AdmissionSettings = Field(
+        default_factory=AdmissionSettings,
+        description="SLO classes and how ingress replicas share the tenants' quotas.",
+    )
+    ingress: IngressSettings = Field(
+        default_factory=IngressSettings, description="The HTTP ingress deployment."
+    )
+    overload: OverloadSettings = Field(
+        default_factory=OverloadSettings,
+        description="Load shedding, request deadlines and circuit breakers.",
+    )
     http: HttpSettings = Field(
         default_factory=HttpSettings,
         description="HTTP listener (same as the Serve file's http_options).",
+    )
+    observability: ObservabilitySettings = Field(
+        default_factory=ObservabilitySettings,
+        description="Tracing, request log and unit cost.",
     )
     app_name: str = Field(default="pdserve", min_length=1, description="Serve application name.")
     route_prefix: str = Field(default="/", pattern=r"^/", description="HTTP route prefix.")
@@ -98,6 +120,11 @@ class PDServeConfig(_Strict):
             return None
         return max(self.local_prefill_threshold, 1), self.limits.max_prompt_tokens
 
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """The engine config of `pool`'s replicas: `model` with the pool's size overrides
+        (model, dtype and block size are shared, so every pool's KV layout agrees)."""
+        return self.model.to_engine_config(pool.engine)
+
     def pools_by_role(self, role: Literal["prefill", "decode"]) -> list[PoolConfig]:
         """The pools of one role, in config order."""
         return [pool for pool in self.pools if pool.role == role]
@@ -110,8 +137,18 @@ class PDServeConfig(_Strict):
             raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
         if not self.pools_by_role("decode"):
             raise ValueError("at least one pool must have role 'decode'")
+        self.observability.check_pools(set(names))
         if self.transfer.backend == "nccl" and self.model.device != "cuda":
             raise ValueError("transfer.backend 'nccl' requires model.device 'cuda'")
+        for pool in self.pools:
+            batched = pool.engine.max_num_batched_tokens
+            if batched is not None and batched < self.model.long_prefill_token_threshold:
+                raise ValueError(
+                    f"pool {pool.name!r}: engine.max_num_batched_tokens ({batched}) < "
+                    f"model.long_prefill_token_threshold "
+                    f"({self.model.long_prefill_token_threshold}): a prefill chunk has to fit "
+                    "in one step's token budget"
+                )
         if self.model.device == "cuda":
             no_gpu = [pool.name for pool in self.pools if pool.num_gpus <= 0]
             if no_gpu:
@@ -156,6 +193,17 @@ class PDServeConfig(_Strict):
             )
 
     @model_validator(mode="after")
+    def _check_class_timeouts(self) -> PDServeConfig:
+        known = {c.name for c in self.admission.classes}
+        unknown = sorted(set(self.overload.class_timeouts_s) - known)
+        if unknown:
+            raise ValueError(
+                f"overload.class_timeouts_s names unknown SLO class(es) {', '.join(unknown)} "
+                f"(admission.classes: {', '.join(sorted(known)) or 'none'})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_exposure(self) -> PDServeConfig:
         """Secure defaults for a listener other machines can reach."""
         if self.http.is_loopback:
@@ -198,6 +246,7 @@ class PDServeConfig(_Strict):
                 raise ValueError(f"tenant {tenant.name!r}: allowed_pools has no decode pool")
             if "prefill" not in roles and not self.colocated:
                 raise ValueError(f"tenant {tenant.name!r}: allowed_pools has no prefill pool")
+        check_tenant_classes(self.admission, self.tenants)
         return self
 
     def resolve_tenant_keys(self) -> dict[str, str]:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
+from app.admission.config import TenantQuota
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 _NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
@@ -78,33 +79,130 @@ class ModelSettings(_Strict):
             self.served_model_name = "pdserve-" + PurePath(self.model.rstrip("/")).name
         return self
 
-    def to_engine_config(self) -> EngineConfig:
-        """The frozen engine config every replica builds its `Engine` from."""
+    def to_engine_config(self, overrides: EngineOverrides | None = None) -> EngineConfig:
+        """The frozen engine config a replica builds its `Engine` from: these settings,
+        with a pool's `overrides` (sizes only) applied."""
+        sizes = self.model_copy(update=overrides.set_fields() if overrides else {})
         return EngineConfig(
             model_dir=self.model,
             dtype=self.dtype,
             device=self.device,
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_bytes=self.kv_cache_bytes,
+                kv_cache_bytes=sizes.kv_cache_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=sizes.max_num_batched_tokens,
+                max_num_seqs=sizes.max_num_seqs,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
-            num_threads=self.num_threads,
+            num_threads=sizes.num_threads,
         )
 
 
+class EngineOverrides(_Strict):
+    """Engine sizes one pool sets differently from `model` (unset = `model`'s value).
+
+    Only sizes may differ: model, dtype, block size and the rest stay in `model`, so every
+    pool's KV layout agrees and blocks transfer between them as they are.
+    """
+
+    kv_cache_bytes: int | None = Field(
+        default=None, gt=0, description="KV-cache budget of one replica of this pool, bytes."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, gt=0, description="Token budget of one engine step in this pool."
+    )
+    max_num_seqs: int | None = Field(
+        default=None, gt=0, description="Requests running at once per replica of this pool."
+    )
+    num_threads: int | None = Field(
+        default=None, ge=1, description="Torch threads per replica of this pool."
+    )
+
+    def set_fields(self) -> dict[str, int]:
+        """The overrides given (field -> value), without the unset ones."""
+        return {name: value for name, value in self.model_dump().items() if value is not None}
+
+
 class AutoscalingSettings(_Strict):
-    """Serve autoscaling of one pool (replaces a fixed `num_replicas`)."""
+    """Serve autoscaling of one pool (replaces a fixed `num_replicas`).
+
+    `policy: slo` (default) scales the pool on its own signal (`app/autoscaling.py`):
+    prefill on predicted queue wait against `ttft_slo_ms`, decode on KV occupancy and ITL
+    against `tpot_slo_ms`. `policy: ongoing_requests` is Serve's built-in policy.
+    """
 
     min_replicas: int = Field(default=1, ge=1, description="Replicas kept at all times.")
     max_replicas: int = Field(default=1, ge=1, description="Most replicas scaled up to.")
+    policy: Literal["slo", "ongoing_requests"] = Field(
+        default="slo",
+        description="slo: the pool's own signal (prefill: queue wait vs TTFT SLO; decode: KV "
+        "occupancy and ITL vs TPOT SLO). ongoing_requests: Serve's built-in policy.",
+    )
     target_ongoing_requests: float = Field(
-        default=8.0, gt=0, description="Ongoing requests per replica the autoscaler aims for."
+        default=8.0,
+        gt=0,
+        description="Ongoing requests per replica Serve aims for (policy ongoing_requests).",
+    )
+    ttft_slo_ms: float = Field(
+        default=1000.0, gt=0, description="Prefill: the TTFT SLO the pool is sized for, ms."
+    )
+    queue_wait_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Prefill: predicted queue wait may use this fraction of ttft_slo_ms.",
+    )
+    prefill_tokens_per_s: float = Field(
+        default=1000.0,
+        gt=0,
+        description="Prefill: tokens/s one replica is assumed to prefill until it has measured "
+        "its own rate.",
+    )
+    tpot_slo_ms: float = Field(
+        default=100.0, gt=0, description="Decode: the TPOT/ITL SLO the pool is sized for, ms."
+    )
+    target_kv_usage: float = Field(
+        default=0.7,
+        gt=0,
+        le=1,
+        description="Decode: fraction of KV blocks in use the pool aims for.",
+    )
+    target_running_seqs: float | None = Field(
+        default=None,
+        gt=0,
+        description="Decode: running sequences per replica the pool aims for; None = ignore.",
+    )
+    downscale_utilization: float = Field(
+        default=0.6,
+        gt=0,
+        lt=1,
+        description="Hysteresis: remove a replica only when the others would be loaded at most "
+        "this fraction of target and latency (TTFT, ITL) is under this fraction of its SLO.",
+    )
+    upscale_cooldown_s: float = Field(
+        default=10.0, ge=0, description="Seconds after a scale-up before scaling up again."
+    )
+    downscale_cooldown_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds after any scaling before scaling down (one replica at a time).",
+    )
+    upscale_delay_s: float = Field(
+        default=2.0, ge=0, description="Serve: a scale-up decision must hold this long."
+    )
+    downscale_delay_s: float = Field(
+        default=10.0, ge=0, description="Serve: a scale-down decision must hold this long."
+    )
+    look_back_period_s: float = Field(
+        default=10.0, gt=0, description="Serve: window the replicas' signals are averaged over."
+    )
+    metrics_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Serve: seconds between a replica's signal reports to the controller.",
     )
 
     @model_validator(mode="after")
@@ -113,7 +211,27 @@ class AutoscalingSettings(_Strict):
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})"
             )
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"look_back_period_s ({self.look_back_period_s}) must exceed "
+                f"metrics_interval_s ({self.metrics_interval_s}): each window needs a report"
+            )
         return self
+
+    def policy_knobs(self) -> dict[str, float | None]:
+        """The knobs the SLO policies read (`app/autoscaling.py` `PolicyKnobs` fields)."""
+        return self.model_dump(
+            exclude={
+                "min_replicas",
+                "max_replicas",
+                "policy",
+                "target_ongoing_requests",
+                "upscale_delay_s",
+                "downscale_delay_s",
+                "look_back_period_s",
+                "metrics_interval_s",
+            }
+        )
 
 
 class PoolConfig(_Strict):
@@ -149,6 +267,29 @@ class PoolConfig(_Strict):
         default=64,
         ge=1,
         description="Requests Serve sends one replica at once (Serve's own limit).",
+    )
+    max_queued_requests: int = Field(
+        default=256,
+        ge=1,
+        description="Requests a caller's handle queues for this pool before refusing more "
+        "(Serve's own limit, the last guard against overload: the ingress answers 503 "
+        "overloaded; a decode replica prefills locally).",
+    )
+    engine: EngineOverrides = Field(
+        default_factory=EngineOverrides,
+        description="Engine sizes of this pool's replicas where they differ from `model`.",
+    )
+    drain_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="A stopping replica (scale-down, redeploy) finishes its requests for at "
+        "most this long before Serve stops it (Serve's graceful_shutdown_timeout_s).",
+    )
+    drain_poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="Seconds between a draining replica's checks for unfinished requests "
+        "(Serve's graceful_shutdown_wait_loop_s).",
     )
 
     @field_validator("resources")
@@ -199,10 +340,34 @@ class PoolConfig(_Strict):
             "name": self.name,
             "ray_actor_options": {**actor, "resources": dict(self.resources)},
             "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "graceful_shutdown_timeout_s": self.drain_timeout_s,
+            "graceful_shutdown_wait_loop_s": self.drain_poll_s,
         }
         if self.autoscaling is not None:
-            return {**options, "autoscaling_config": self.autoscaling.model_dump()}
+            return {**options, "autoscaling_config": self._autoscaling_config(self.autoscaling)}
         return {**options, "num_replicas": self.num_replicas}
+
+    def _autoscaling_config(self, settings: AutoscalingSettings) -> dict[str, Any]:
+        """Serve's `autoscaling_config` dict; the SLO policies live in `app/autoscaling.py`."""
+        config: dict[str, Any] = settings.model_dump(
+            include={
+                "min_replicas",
+                "max_replicas",
+                "target_ongoing_requests",
+                "upscale_delay_s",
+                "downscale_delay_s",
+                "look_back_period_s",
+                "metrics_interval_s",
+            }
+        )
+        if settings.policy == "slo":
+            policy = "PrefillPolicy" if self.role == "prefill" else "DecodePolicy"
+            config["policy"] = {
+                "policy_function": f"app.autoscaling:{policy}",
+                "policy_kwargs": settings.policy_knobs(),
+            }
+        return config
 
 
 class TransferSettings(_Strict):
@@ -280,7 +445,18 @@ class TenantConfig(_Strict):
     )
     priority: int = Field(default=0, description="Scheduling priority; lower = more important.")
     max_concurrent_requests: int | None = Field(
-        default=None, ge=1, description="Quota of in-flight requests; None = unlimited."
+        default=None,
+        ge=1,
+        description="Requests in flight at once, across ingress replicas; None = unlimited "
+        "(code tenant_concurrent_requests). quota.max_concurrent_sequences counts n.",
+    )
+    quota: TenantQuota = Field(
+        default_factory=TenantQuota, description="Rate, token and concurrency limits."
+    )
+    default_class: str | None = Field(
+        default=None,
+        description="SLO class (admission.classes) of the tenant's requests; its priority "
+        "replaces `priority`. None = no class, `priority` applies.",
     )
 
     _check_keys = field_validator("api_keys")(_check_inline_keys)

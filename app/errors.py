@@ -10,15 +10,21 @@ Every error the HTTP API returns has the body OpenAI's clients parse:
 | 400 | `UnsupportedFeatureError` (echo, batch, tools) | invalid_request | unsupported_feature |
 | 400 | `ContextLengthExceededError` (prompt too long) | invalid_request | context_length_exceeded |
 | 401 | `AuthenticationError` (missing/unknown key) | authentication_error | invalid_api_key |
-| 403 | `PermissionDeniedError` (pool not allowed) | permission_error | permission_denied |
+| 403 | `PermissionDeniedError` (pool, SLO class²) | permission_error | permission_denied |
 | 404 | `ModelNotFoundError` | invalid_request | model_not_found |
 | 404 | unknown route | not_found_error | - |
 | 405 | wrong method | invalid_request | method_not_allowed |
 | 413 | `PayloadTooLargeError` (body too big) | invalid_request | payload_too_large |
-| 429 | `RateLimitError` (tenant over quota) | rate_limit_error | rate_limit_exceeded |
+| 429 | `RateLimitError` (tenant over quota) | rate_limit_error | the limit: `tenant_*`¹ |
 | 503 | `ServiceUnavailableError` (not ready, overloaded) | service_unavailable_error | caller's |
 | 503 | `ReplicaLostError` (replica died mid-request) | service_unavailable_error | replica_lost |
+| 504 | `DeadlineExceededError` (the request's timeout passed) | timeout_error | deadline_exceeded |
 | 500 | `InternalServerError`, any other exception | server_error | internal_error |
+
+¹ `app/admission/quotas.py:Limit`: tenant_concurrent_requests, tenant_concurrent_sequences,
+tenant_rate_limit, tenant_prompt_tokens_per_minute, tenant_output_tokens_per_minute,
+tenant_kv_share, tenant_queue_full (the default, rate_limit_exceeded, names none).
+² A class more important than the tenant's default: code slo_class_not_allowed.
 
 A prompt over the token limit is a 400 `context_length_exceeded`, as OpenAI answers; 413 is
 only for a request body over the byte limit, checked before parsing. Out-of-range sampling values
@@ -212,6 +218,14 @@ class ReplicaLostError(ServiceUnavailableError):
         self, message: str = "the replica serving this request was lost; retry the request"
     ) -> None:
         super().__init__(message)
+
+
+class DeadlineExceededError(APIError):
+    """504: the request's deadline passed before it completed (it was aborted)."""
+
+    status_code = 504
+    error_type = "timeout_error"
+    default_code = "deadline_exceeded"
 
 
 class InternalServerError(APIError):

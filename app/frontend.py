@@ -1,15 +1,18 @@
 """What every entry point (HTTP and Python handle) does before and around decode.
 
 Authenticate the key → tenant, validate and tokenize (off the event loop), route (pool choice
-recorded), enforce the tenant's concurrency quota, then fan `n` choices out as streaming calls
-to a decode pool and merge their deltas. A decode replica that dies under a request fails it
-with `ReplicaLostError` (503); a request the engine failed (and isolated) gets a 500 with code
-"request_failed". No FastAPI here: `app/ingress.py` adds HTTP on top.
+recorded) and resolve the SLO class (its priority replaces the route's), admit against the
+tenant's global quotas (`app/admission/controller.py`), then fan `n` choices out as streaming
+calls to a decode pool and merge their deltas (output tokens charged as they stream). A
+decode replica that dies under a request fails it with `ReplicaLostError` (503); a request
+the engine failed (and isolated) gets a 500 with code "request_failed". No FastAPI here:
+`app/ingress.py` adds HTTP on top.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -19,28 +22,44 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from opentelemetry import trace
 from ray.exceptions import RayActorError
 
+from app.admission.classes import ClassResolver, ServiceClass
+from app.admission.controller import Admission, decode_pool_blocks, tenant_quotas
+from app.admission.deadlines import Deadline
+from app.admission.overload import OverloadGuard
 from app.config import PDServeConfig
 from app.errors import (
+    APIError,
     AuthenticationError,
     BadRequestError,
     ContextLengthExceededError,
     InternalServerError,
     ModelNotFoundError,
-    RateLimitError,
     ReplicaLostError,
 )
+from app.observability.request_metrics import (
+    STATUS_CLIENT_GONE,
+    STATUS_OK,
+    RequestMetrics,
+    RequestRecorder,
+    SLOTargets,
+)
+from app.observability.telemetry import IngressTelemetry, route_span
+from app.observability.tracing import carrier_for, child_span
 from app.prompts import PromptTokenizer
 from app.protocol import choice_sampling_params
 from app.router import RouteDecision, RouterPolicy
 from decode.protocol import GenerationSpec
+from decode.serve_calls import new_call_id
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestFailedError, RequestOutput
 from engine.request import SamplingParams, context_overflow
 
 logger = logging.getLogger(__name__)
+_tracer = trace.get_tracer("pdserve.ingress")
 _T = TypeVar("_T")
 
 
@@ -53,18 +72,42 @@ class PreparedRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     n: int
-    route: RouteDecision
+    route: RouteDecision  # its priority is the service class's
+    service_class: ServiceClass = ServiceClass("default", 0)
+    deadline: Deadline | None = None  # None: no deadline (callers that never set one)
+    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C carrier
 
 
 class Frontend:
     """Checks, routes and runs requests against the decode pools' handles."""
 
-    def __init__(self, config: PDServeConfig, decode_handles: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        config: PDServeConfig,
+        decode_handles: Mapping[str, Any],
+        quota_service: Any | None = None,
+        prefill_handles: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`quota_service`: handle of the global quota state (None: no tenant has a quota);
+        `prefill_handles`: the prefill pools, whose load decides shedding."""
         self.config = config
+        self.overload = OverloadGuard(
+            config.overload,
+            prefill_handles or {},
+            [c.priority for c in config.admission.classes],
+        )
         self.policy = RouterPolicy(config)
+        self.classes = ClassResolver(config.admission, config.tenants)
         model_dir = str(resolve_model_dir(config.model.model))
         self.tokenizer = load_tokenizer(model_dir)
         self.model_config = load_model_config(model_dir, config.model.dtype)
+        self.admission = Admission(
+            config.admission,
+            tenant_quotas(config.tenants),
+            quota_service,
+            block_size=config.model.block_size,
+            kv_pool_blocks=decode_pool_blocks(config, self.model_config),
+        )
         self.prompts = PromptTokenizer(self.tokenizer, self.model_config.vocab_size)
         # One thread: tokenizing a large prompt takes about a second per megabyte of CPU, and
         # the tokenizer is not used from two threads at once.
@@ -74,6 +117,9 @@ class Frontend:
         self.in_flight: Counter[str] = Counter()
         self.route_counts: Counter[str] = Counter()
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=1000)
+        goodput = config.observability.metrics
+        self.metrics = RequestMetrics(SLOTargets(goodput.goodput_ttft_s, goodput.goodput_tpot_s))
+        self.telemetry = IngressTelemetry(config, self.tokenizer.decode)
 
     # ---- checks ----------------------------------------------------------------------
 
@@ -84,7 +130,10 @@ class Frontend:
 
     def authenticate(self, api_key: str | None) -> str:
         """The key's tenant; raises `AuthenticationError` (401). Call before any other work."""
-        return self.policy.tenant_for_key(api_key)
+        with child_span(_tracer, "auth") as span:
+            tenant = self.policy.tenant_for_key(api_key)
+            span.set_attribute("pdserve.tenant", tenant)
+            return tenant
 
     def check_admin(self, api_key: str | None) -> None:
         """Operator endpoints: open without tenants, else an admin key is required."""
@@ -97,11 +146,17 @@ class Frontend:
 
     async def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """A completions prompt's ids (text or checked ids), computed off the event loop."""
-        return await self._off_loop(self.prompts.tokenize_prompt, prompt)
+        with child_span(_tracer, "tokenize") as span:
+            ids = await self._off_loop(self.prompts.tokenize_prompt, prompt)
+            span.set_attribute("pdserve.num_prompt_tokens", len(ids))
+            return ids
 
     async def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """The chat prompt's ids (content kept literal), computed off the event loop."""
-        return await self._off_loop(self.prompts.tokenize_chat, messages)
+        with child_span(_tracer, "tokenize") as span:
+            ids = await self._off_loop(self.prompts.tokenize_chat, messages)
+            span.set_attribute("pdserve.num_prompt_tokens", len(ids))
+            return ids
 
     async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
@@ -124,10 +179,16 @@ class Frontend:
         params: SamplingParams,
         n: int = 1,
         prompt_param: str = "prompt",
+        slo_class: str | None = None,
+        timeout_s: float | None = None,
+        timeout_param: str = "timeout",
     ) -> PreparedRequest:
-        """Authenticate, check limits and route. Raises an `APIError` (→ 4xx) on bad input;
-        `prompt_param` names the prompt's field in errors about its length."""
+        """Authenticate, check limits, resolve the SLO class (`slo_class`: the one asked for,
+        if any) and route. Raises an `APIError` (→ 4xx) on bad input; `prompt_param` names
+        the prompt's field in errors about its length."""
+        started_ns = time.time_ns()
         tenant = self.policy.tenant_for_key(api_key)
+        service_class = self.classes.resolve(tenant, slo_class)
         try:
             route = self.policy.route(len(prompt_token_ids), tenant)
         except BadRequestError as exc:  # empty or too long
@@ -139,30 +200,86 @@ class Frontend:
         )
         if overflow is not None:
             raise ContextLengthExceededError(overflow, param="max_tokens")
-        return PreparedRequest(
+        # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
+        # request asked for (`timeout_param` names where), shedding never waits.
+        deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)
+        shed = self.overload.check_shed(
+            route.prefill_pool,
+            len(prompt_token_ids),
+            service_class.ttft_s,
+            service_class.priority,
+        )
+        prepared = PreparedRequest(
             request_id=uuid.uuid4().hex,
             tenant=tenant,
             prompt_token_ids=tuple(prompt_token_ids),
             params=params,
             n=n,
-            route=route,
+            route=dataclasses.replace(
+                route,
+                priority=service_class.priority,
+                reason=f"{route.reason}; {shed.reason}" if shed.reason else route.reason,
+            ),
+            service_class=service_class,
+            deadline=deadline,
+            trace_context=carrier_for(trace.get_current_span()),
         )
+        route_span(
+            started_ns, tenant, service_class.name, prepared.route, len(prompt_token_ids)
+        )
+        if shed.shed:
+            self._record(prepared, shed="overloaded")
+            labels = RequestMetrics.labels(
+                tenant, service_class.name, route.prefill_pool, route.decode_pool
+            )
+            self.metrics.shed(labels, "overloaded", 503)
+            raise self.overload.shed_error(shed, route.reason)
+        return prepared
 
     # ---- running ---------------------------------------------------------------------
 
     async def run(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """Stream `(choice index, delta)` of every choice until all have finished."""
-        tenant_config = self.policy.tenant_config(prepared.tenant)
-        quota = tenant_config.max_concurrent_requests if tenant_config else None
-        if quota is not None and self.in_flight[prepared.tenant] >= quota:
-            raise RateLimitError(
-                f"tenant {prepared.tenant!r} has {quota} requests in flight, its quota",
-                retry_after_s=1,
+        recorder = self._recorder(prepared)
+        telemetry = self.telemetry.start(
+            prepared.request_id,
+            prepared.tenant,
+            prepared.service_class.name,
+            prepared.route,
+            prepared.prompt_token_ids,
+        )
+        try:
+            admission = self.admission.admit(
+                prepared.tenant,
+                prepared.request_id,
+                len(prepared.prompt_token_ids),
+                prepared.n,
+                prepared.route.priority,
+                prepared.route.decode_pool,
+                prepared.params.max_tokens,
             )
+            if prepared.deadline is not None:
+                admitted = await self.overload.within(prepared.deadline, admission)
+            else:
+                admitted = await admission
+        except APIError as exc:
+            if exc.status_code in (429, 503, 504):  # refused, or its deadline passed waiting
+                self.metrics.shed(recorder.labels, exc.code or "refused", exc.status_code)
+            recorder.finish(exc.status_code)
+            telemetry.finish(exc.status_code)
+            raise
+        except BaseException as exc:
+            failed = 500 if isinstance(exc, Exception) else STATUS_CLIENT_GONE
+            recorder.finish(failed)
+            telemetry.finish(failed)
+            raise
+        status = STATUS_CLIENT_GONE  # unless the loop below ends or raises
         self.in_flight[prepared.tenant] += 1
         self._record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(prepared, i, queue)) for i in range(prepared.n)]
+        # At the deadline a 504 error joins the queue; the finally then cancels every choice.
+        timer = self.overload.deadline_timer(prepared.deadline, queue)
         try:
             remaining = prepared.n
             while remaining:
@@ -172,11 +289,41 @@ class Frontend:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
+                    admitted.on_output(len(item[1].new_token_ids))
+                    recorder.on_delta(*item)
+                    telemetry.on_delta(*item)
                     yield item
+            status = STATUS_OK
+        except APIError as exc:
+            status = exc.status_code
+            raise
+        except Exception:
+            status = 500
+            raise
         finally:
+            recorder.finish(status)
+            telemetry.finish(status)
+            if timer is not None:
+                timer.cancel()
             for task in tasks:
                 task.cancel()  # a client that went away cancels every choice on both pools
             self.in_flight[prepared.tenant] -= 1
+            admitted.release()
+
+    def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:
+        """Start the request's metrics (labels: tenant, class, pools; its class's targets)."""
+        route, service_class = prepared.route, prepared.service_class
+        labels = RequestMetrics.labels(
+            prepared.tenant,
+            service_class.name,
+            None if route.local_prefill else route.prefill_pool,
+            route.decode_pool,
+        )
+        default = self.metrics.default_slo
+        slo = SLOTargets(
+            service_class.ttft_s or default.ttft_s, service_class.tpot_s or default.tpot_s
+        )
+        return self.metrics.start(labels, len(prepared.prompt_token_ids), slo)
 
     async def _pump(self, prepared: PreparedRequest, index: int, queue: asyncio.Queue) -> None:
         route = prepared.route
@@ -187,7 +334,10 @@ class Frontend:
             tenant=prepared.tenant,
             priority=route.priority,
             prefill_pool=None if route.local_prefill else route.prefill_pool,
+            timeout_s=prepared.deadline.remaining_s() if prepared.deadline else None,
+            trace_context=prepared.trace_context,
         )
+        new_call_id()  # this choice's call must not share a routing id with its siblings
         stream = self.decode_handles[route.decode_pool].generate.remote(spec)
         try:
             async for delta in stream:
@@ -205,12 +355,15 @@ class Frontend:
                 InternalServerError("generation failed for this request", code="request_failed")
             )
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller
-            queue.put_nowait(exc)
+            # Serve's BackPressureError (the decode pool's max_queued_requests): a clean 503.
+            queue.put_nowait(self.overload.backpressure(exc) or exc)
 
-    def _record(self, prepared: PreparedRequest) -> None:
+    def _record(self, prepared: PreparedRequest, shed: str | None = None) -> None:
+        """Count and keep the routing decision (`shed`: why it was refused, if it was)."""
         route = prepared.route
         pool = "local" if route.local_prefill else route.prefill_pool
-        self.route_counts[f"{prepared.tenant}|{pool}|{route.decode_pool}"] += 1
+        key = f"{prepared.tenant}|{pool}|{route.decode_pool}"
+        self.route_counts[f"{key}|shed:{shed}" if shed else key] += 1
         self.recent_routes.append(
             {
                 "request_id": prepared.request_id,
@@ -218,6 +371,7 @@ class Frontend:
                 "num_prompt_tokens": len(prepared.prompt_token_ids),
                 "time": time.time(),
                 **asdict(route),
+                **({"shed": shed} if shed else {}),
             }
         )
 

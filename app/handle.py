@@ -58,6 +58,12 @@ class GenerateRequest(BaseModel):
     )
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    timeout: float | None = Field(
+        None, gt=0, description="Seconds until the request is aborted (DeadlineExceededError)."
+    )
+    slo_class: str | None = Field(
+        None, description="SLO class, no more important than the tenant's default_class."
+    )
     repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = Field(False, description="Keep generating past EOS.")
     logprobs: int | None = Field(

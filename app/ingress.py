@@ -24,8 +24,11 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.admission.classes import requested_class
+from app.admission.deadlines import requested_timeout
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
@@ -39,6 +42,7 @@ from app.errors import (
 )
 from app.frontend import Frontend, PreparedRequest
 from app.handle import GenerateChunk, GenerateRequest
+from app.observability.tracing import TracingMiddleware, configure_tracing
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
 from engine.request import InvalidRequestError
@@ -59,12 +63,35 @@ api = FastAPI(
     openapi_url=None,
 )
 install_error_handlers(api)
+api.add_middleware(TracingMiddleware)  # a span per request; x-trace-id on every response
 
 
 def _num_running(replica_states: Mapping[Any, int]) -> int:
     return sum(
         n for state, n in replica_states.items() if getattr(state, "value", state) == "RUNNING"
     )
+
+
+def _replica_name() -> str:
+    """This ingress replica's id (response header `x-pdserve-ingress`); "" outside Serve."""
+    try:
+        return serve.get_replica_context().replica_tag
+    except RayServeException:
+        return ""
+
+
+def _since(request: Request) -> float | None:
+    """The stats query's `since` (Unix seconds): aggregate only requests finished after."""
+    raw = request.query_params.get("since")
+    if raw is None:
+        return None
+    try:
+        since = float(raw)
+    except ValueError:
+        since = math.nan
+    if not math.isfinite(since):
+        raise BadRequestError("since must be a number of Unix seconds", param="since")
+    return since
 
 
 def _api_key(request: Request) -> str | None:
@@ -83,9 +110,13 @@ class Ingress:
         config: dict[str, Any],
         decode_pools: Mapping[str, Any],
         prefill_pools: Mapping[str, Any],
+        quota_service: Any = None,
     ) -> None:
         self.config = PDServeConfig.model_validate(config)
-        self.frontend = Frontend(self.config, decode_pools)
+        configure_tracing(self.config.observability.tracing, "ingress")
+        self.frontend = Frontend(self.config, decode_pools, quota_service, prefill_pools)
+        self.quota_service = quota_service
+        self.replica_name = _replica_name()
         self.pools: dict[str, Any] = {**prefill_pools, **decode_pools}
         self.token_strings = TokenStrings(self.frontend.tokenizer)
         self.created = int(time.time())
@@ -117,7 +148,11 @@ class Ingress:
         stream: bool,
         include_usage: bool,
     ) -> Response:
-        headers = {"x-pdserve-route": prepared.route.reason}
+        headers = {
+            "x-pdserve-route": prepared.route.reason,
+            "x-pdserve-slo-class": prepared.service_class.name,
+            "x-pdserve-ingress": self.replica_name,
+        }
         if not stream:
             async for index, delta in self.frontend.run(prepared):
                 builder.add(index, delta)
@@ -159,12 +194,23 @@ class Ingress:
     async def completions(self, request: Request) -> Response:
         api_key = _api_key(request)
         self.frontend.authenticate(api_key)
-        body = CompletionRequest.model_validate(await self._body(request))
+        raw = await self._body(request)
+        body = CompletionRequest.model_validate(raw)
         self.frontend.check_model(body.model)
         params = body.to_sampling_params(default_max_tokens=16)
         self.frontend.check_params(params)
+        slo_class = requested_class(request.headers, raw)
         prompt_ids = await self.frontend.tokenize_prompt(body.prompt)
-        prepared = self.frontend.prepare(api_key, prompt_ids, params, body.n)
+        timeout_s, timeout_param = requested_timeout(request.headers, body.timeout)
+        prepared = self.frontend.prepare(
+            api_key,
+            prompt_ids,
+            params,
+            body.n,
+            slo_class=slo_class,
+            timeout_s=timeout_s,
+            timeout_param=timeout_param,
+        )
         builder = CompletionBuilder(
             self.frontend.model_name,
             n=body.n,
@@ -177,13 +223,25 @@ class Ingress:
     async def chat_completions(self, request: Request) -> Response:
         api_key = _api_key(request)
         self.frontend.authenticate(api_key)
-        body = ChatCompletionRequest.model_validate(await self._body(request))
+        raw = await self._body(request)
+        body = ChatCompletionRequest.model_validate(raw)
         self.frontend.check_model(body.model)
         # Checked before tokenizing; max_tokens' default depends on the prompt's length.
         self.frontend.check_params(body.to_sampling_params(self.frontend.default_max_tokens(0)))
+        slo_class = requested_class(request.headers, raw)
         prompt_ids = await self.frontend.tokenize_chat(body.chat_messages())
         params = body.to_sampling_params(self.frontend.default_max_tokens(len(prompt_ids)))
-        prepared = self.frontend.prepare(api_key, prompt_ids, params, body.n, "messages")
+        timeout_s, timeout_param = requested_timeout(request.headers, body.timeout)
+        prepared = self.frontend.prepare(
+            api_key,
+            prompt_ids,
+            params,
+            body.n,
+            "messages",
+            slo_class=slo_class,
+            timeout_s=timeout_s,
+            timeout_param=timeout_param,
+        )
         builder = ChatBuilder(
             self.frontend.model_name,
             n=body.n,
@@ -209,10 +267,17 @@ class Ingress:
     @api.get("/v1/pdserve/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
         """Extension: routing decisions and each pool's KV occupancy (one replica each; a
-        pool that does not answer within `STATS_TIMEOUT_S` shows `{"error": ...}`).
-        With tenants configured, only admin keys may read it."""
+        pool that does not answer within `STATS_TIMEOUT_S` shows `{"error": ...}`), this
+        ingress's TTFT breakdown (p50/p90 by phase; `?since=<Unix s>` limits it to requests
+        finished since) and unit cost. With tenants configured, only admin keys may read it."""
         self.frontend.check_admin(_api_key(request))
-        return {"routing": self.frontend.routing_report(), "pools": await self._pool_stats()}
+        since = _since(request)
+        await self._ready()  # refreshes the replica counts behind unit cost
+        report = {"routing": self.frontend.routing_report(), "pools": await self._pool_stats()}
+        if self.quota_service is not None:
+            report["quotas"] = await self._quota_stats()
+        report.update(self.frontend.telemetry.report(since))
+        return report
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> JSONResponse:
@@ -258,6 +323,13 @@ class Ingress:
             )
             app = status.applications.get(self.config.app_name)
             deployments = app.deployments if app is not None else {}
+            self.frontend.telemetry.cost.observe_replicas(
+                {
+                    name: _num_running(deployments[name].replica_states)
+                    for name in self.pools
+                    if name in deployments
+                }
+            )
             ready = all(
                 name in deployments and _num_running(deployments[name].replica_states) > 0
                 for name in self.pools
@@ -269,6 +341,13 @@ class Ingress:
             self._probe = None
         self._is_ready, self._ready_checked_at = ready, time.monotonic()
         return ready
+
+    async def _quota_stats(self) -> dict[str, Any]:
+        """The quota ledger's per-tenant state, or `{"error": ...}` (bounded like a pool)."""
+        try:
+            return await asyncio.wait_for(self.frontend.admission.stats(), STATS_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - reported in place of the numbers
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     async def _pool_stats(self) -> dict[str, Any]:
         async def one(pool: Any) -> dict[str, Any]:
@@ -313,7 +392,14 @@ class Ingress:
             raise bad_request(exc) from None
         prompt = request.prompt if request.prompt is not None else request.prompt_token_ids
         prompt_ids = await self.frontend.tokenize_prompt(prompt or [])
-        prepared = self.frontend.prepare(request.api_key, prompt_ids, params, 1)
+        prepared = self.frontend.prepare(
+            request.api_key,
+            prompt_ids,
+            params,
+            1,
+            slo_class=request.slo_class,
+            timeout_s=request.timeout,
+        )
         async for _, delta in self.frontend.run(prepared):
             yield GenerateChunk.from_delta(delta, prepared.route.reason)
 

@@ -8,13 +8,18 @@ replica holds handles to every prefill pool), and the HTTP ingress in front.
 from __future__ import annotations
 
 import secrets
+from functools import partial
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from app.admission.controller import tenant_quotas
+from app.admission.quota_service import QUOTA_SERVICE_OPTIONS, QuotaService
 from app.config import PDServeConfig, PoolConfig, load_config
 from app.ingress import Ingress
+from app.observability.replica_metrics import replica_metrics_factory
+from app.observability.tracing import check_exporter, configure_tracing
 from decode.server import DecodeServer
 from kvtransfer import TransferOptions
 from prefill.server import PrefillServer
@@ -37,6 +42,9 @@ ROUTER_CONFIG = RequestRouterConfig(
 )
 
 
+INGRESS_MAX_QUEUED_REQUESTS = 2000
+
+
 def _deployment(cls: type) -> Any:
     """`serve.deployment(cls)`: the class stays importable and testable without Serve."""
     return serve.deployment(cls)
@@ -57,7 +65,9 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     # (the ingress reads the keys again where it runs; they never travel in the args).
     config.resolve_tenant_keys()
     config.resolve_admin_keys()
-    engine_config = config.model.to_engine_config()
+    check_exporter(config.observability.tracing)
+    # Each replica sets up its process's tracing from this (partial pickles by reference).
+    telemetry = partial(configure_tracing, config.observability.tracing)
     # One secret per build, shared by every replica of this app: a KV endpoint only talks to
     # peers that prove they hold it (HMAC handshake), never to another app or a stray client.
     options = TransferOptions(checksum=config.transfer.checksum, secret=secrets.token_hex(32))
@@ -65,29 +75,55 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     prefill = {
         pool.name: _deployment(PrefillServer)
         .options(**_options(pool))
-        .bind(engine_config, backend, options, pool=pool.name)
+        .bind(
+            config.engine_config(pool),
+            backend,
+            options,
+            pool=pool.name,
+            observers=(replica_metrics_factory(config, pool),),
+            telemetry=telemetry,
+        )
         for pool in config.pools_by_role("prefill")
     }
     decode = {
         pool.name: _deployment(DecodeServer)
         .options(**_options(pool))
         .bind(
-            engine_config,
+            config.engine_config(pool),
             backend,
             options,
             deadline_s=config.transfer.deadline_s,
+            breaker=config.overload.breaker.to_settings(),
             prefill_pools=prefill,
             pool=pool.name,
+            observers=(replica_metrics_factory(config, pool),),
+            telemetry=telemetry,
         )
         for pool in config.pools_by_role("decode")
     }
     ingress = _deployment(Ingress).options(
         name="ingress",
-        num_replicas=1,
-        ray_actor_options={"num_cpus": 0.1},
+        num_replicas=config.ingress.num_replicas,
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=1000,
+        # Past this many HTTP requests queued for an ingress replica, Serve's proxy answers 503.
+        max_queued_requests=INGRESS_MAX_QUEUED_REQUESTS,
+        # The ingress relays every stream: on a redeploy it drains as long as the pools do.
+        graceful_shutdown_timeout_s=max(pool.drain_timeout_s for pool in config.pools),
+        graceful_shutdown_wait_loop_s=min(pool.drain_poll_s for pool in config.pools),
     )
-    return ingress.bind(config.model_dump(mode="json"), decode, prefill)
+    quotas = tenant_quotas(config.tenants)
+    # Every ingress replica draws on this one replica's state (app/admission/quota_service.py).
+    quota_service = (
+        _deployment(QuotaService)
+        .options(**QUOTA_SERVICE_OPTIONS)
+        .bind(quotas)
+        if quotas
+        else None
+    )
+    return ingress.bind(
+        config.model_dump(mode="json"), decode, prefill, quota_service=quota_service
+    )
 
 
 app = build_app()

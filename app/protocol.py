@@ -114,6 +114,12 @@ class _SamplingRequest(_Request):
         | None
     ) = Field(None, description="Extension: stop token ids (each below the vocabulary size).")
     logit_bias: dict[str, float] | None = Field(None, description="Unsupported if non-empty.")
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="Extension: seconds until the request is aborted (504 deadline_exceeded); "
+        "the header x-pdserve-timeout wins over it.",
+    )
 
     @property
     def include_usage(self) -> bool:

@@ -134,7 +134,7 @@ def point_runner(
         requests = make_requests(rate)
         desc = f"{label} rate {rate:g}".strip()
         result = run_load_sync(target, requests, concurrency, warmup, progress, desc)
-        return run_report(result, slo)
+        return run_report(result, slo, target)
 
     return run
 
@@ -192,7 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
-    rates = [{"rate": r["rate"], "attainment": r["attainment"]} for r in results]
+    rates = [
+        {
+            "rate": r["rate"],
+            "attainment": r["attainment"],
+            "usd_per_1m_tokens": r.get("server", {}).get("cost", {}).get("usd_per_1m_tokens"),
+        }
+        for r in results
+    ]
     print(json.dumps(finite_or_none({**goodput, "points": rates})))
     return 0
 

@@ -33,6 +33,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.metrics import SLO, RequestRecord, finite_or_none, prefill_interference, summarize
+from bench.server_report import add_server_args, fetch_stats, print_server_side, server_side
 from bench.workloads import (
     ScheduledRequest,
     add_workload_args,
@@ -54,6 +55,8 @@ class Target:
     timeout_s: float = 600.0
     temperature: float = 0.0
     ignore_eos: bool = True
+    admin_key: str | None = None  # for pdserve's stats (default: api_key)
+    usd_per_hour: float | None = None  # the fleet's price (default: the server's config)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -65,6 +68,7 @@ class RunResult:
 
     records: list[RequestRecord]
     duration_s: float
+    started_at: float = 0.0  # Unix time the clock started (after the warm-up)
 
 
 def normalize_base_url(url: str) -> str:
@@ -167,6 +171,7 @@ async def run_load(
             await _send(client, target, requests[0], time.perf_counter())
         gate = asyncio.Semaphore(concurrency) if concurrency else None
         bar = tqdm(total=len(requests), desc=desc, file=sys.stderr, disable=not progress)
+        started_at = time.time()
         t0 = time.perf_counter()
 
         async def one(request: ScheduledRequest) -> RequestRecord:
@@ -187,7 +192,7 @@ async def run_load(
             bar.close()
     ends = [r.end_s for r in records if r.end_s is not None]
     duration = max(ends) if ends else time.perf_counter() - t0
-    return RunResult(sorted(records, key=lambda r: r.index), duration)
+    return RunResult(sorted(records, key=lambda r: r.index), duration, started_at)
 
 
 def run_load_sync(
@@ -202,15 +207,21 @@ def run_load_sync(
     return asyncio.run(run_load(target, requests, concurrency, warmup, progress, desc))
 
 
-def run_report(result: RunResult, slo: SLO) -> dict[str, Any]:
-    """Summary, interference breakdown and records of one run, JSON-ready."""
-    return finite_or_none(
-        {
-            "summary": summarize(result.records, result.duration_s, slo),
-            "interference": prefill_interference(result.records),
-            "records": [r.to_dict() for r in result.records],
-        }
-    )
+def run_report(result: RunResult, slo: SLO, target: Target | None = None) -> dict[str, Any]:
+    """Summary, interference breakdown and records of one run, JSON-ready; with `target`,
+    also what the server measured over the run (`bench/server_report.py`)."""
+    summary = summarize(result.records, result.duration_s, slo)
+    report: dict[str, Any] = {
+        "summary": summary,
+        "interference": prefill_interference(result.records),
+        "records": [r.to_dict() for r in result.records],
+    }
+    if target is not None:
+        # Since the clock started (after the warm-up): the server's view of the recorded run.
+        key = target.admin_key or target.api_key
+        stats = fetch_stats(target.base_url, key, result.started_at)
+        report["server"] = server_side(stats, summary, target.usd_per_hour)
+    return finite_or_none(report)
 
 
 # ------------------------------------------------------------------------------ command line
@@ -227,13 +238,21 @@ def add_target_args(parser: argparse.ArgumentParser, url_required: bool = True) 
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar on stderr")
     parser.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in ms")
     parser.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in ms")
+    add_server_args(parser)
 
 
 def target_from_args(args: argparse.Namespace) -> Target:
     """The `Target` the options name, asking the server for its model if not given."""
     base_url = normalize_base_url(args.url)
     model = args.model or discover_model(base_url, args.api_key)
-    return Target(base_url, model, args.api_key, args.timeout)
+    return Target(
+        base_url,
+        model,
+        args.api_key,
+        args.timeout,
+        admin_key=args.admin_key,
+        usd_per_hour=args.usd_per_hour,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,7 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run_load_sync(
         target, requests, args.concurrency, args.warmup, not args.no_progress, "bench serve"
     )
-    report = run_report(result, SLO(args.slo_ttft, args.slo_tpot))
+    report = run_report(result, SLO(args.slo_ttft, args.slo_tpot), target)
+    server = report["server"]
+    print_server_side(server)
     run = {
         "url": target.base_url,
         "model": target.model,
@@ -263,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"run": run, **report}, indent=1) + "\n")
     summary = {k: v for k, v in report["summary"].items() if k != "by_label"}
-    print(json.dumps({"rate": args.rate, **summary}))
+    print(json.dumps({"rate": args.rate, **summary, "server": server}))
     return 0 if report["summary"]["num_completed"] else 1
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.request import SamplingParams
 
@@ -21,3 +21,8 @@ class GenerationSpec:
     tenant: str = ""
     priority: int = 0
     prefill_pool: str | None = None
+    # Seconds left of the request's deadline when the ingress sent it (None: no deadline);
+    # bounds the remote-prefill attempts (a duration, not a wall-clock instant).
+    timeout_s: float | None = None
+    # W3C trace context (traceparent, tracestate) of the ingress span this call belongs to.
+    trace_context: dict[str, str] = field(default_factory=dict)

@@ -7,8 +7,9 @@ A request's life here (one streaming `generate` call from the ingress):
     remote prefill:
         reserve blocks (WAITING_FOR_KV) ──open ticket──▶ prefill pool `prefill(req, ticket)`
         ──KV lands layer by layer──▶ DONE ──first token──▶ RUNNING ──deltas streamed
-        on failure: abort the transfer, retry once (a fresh reservation and ticket),
-        then prefill locally
+        on failure: abort the transfer, retry once (a fresh reservation and ticket) on
+        another replica, then prefill locally; circuit breakers (`decode/breaker.py`) skip
+        replicas and pools that keep failing, and the request's deadline bounds it all
 
 KV ownership. Once a ticket is open, the reserved blocks return to the pool only through
 the receiver's `release` (the transfer is terminal on both ends and its writer fenced: a
@@ -34,19 +35,30 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Collection,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
+from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlan, PrefillPlanner
+from decode.placement import placements, pool_view
 from decode.protocol import GenerationSpec
+from decode.serve_calls import new_call_id
+from decode.trace import GenerationTrace
 from engine.async_engine import EngineDeadError
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
-from engine.replica import EngineReplica, model_id_for
+from engine.replica import EngineReplica, ObserverFactory, model_id_for
 from engine.request import Request
 from engine.signals import RecentSamples, decode_signals
 from kvtransfer import (
@@ -102,9 +114,18 @@ class DecodeServer:
         prefill_pools: Mapping[str, PrefillHandle] | None = None,
         pool: str = "decode",
         receiver_endpoint: Mapping[str, Any] | None = None,
+        breaker: BreakerSettings = BreakerSettings(),
+        observers: Sequence[ObserverFactory] = (),
+        telemetry: Callable[[str], object] | None = None,
     ) -> None:
+        """`telemetry(role)`, when given, sets up this process's tracing first (once)."""
+        if telemetry is not None:
+            telemetry(f"decode:{pool}")
         self.pool = pool
+        self._timelines: dict[str, GenerationTrace] = {}  # by request id (event loop only)
         self.deadline_s = deadline_s
+        self.breakers = BreakerBoard(breaker)  # event loop only
+        self.planner = PrefillPlanner(self.breakers, _known_replicas)
         self.prefill_pools = dict(prefill_pools or {})
         self.receiver: KVReceiver | None = None
         self.fence_allowance_s = transfer_options.fence_timeout_s + FENCE_MARGIN_S
@@ -133,32 +154,51 @@ class DecodeServer:
         if self.receiver is not None:
             self.loop.between_steps.append(self._check_leases)
         self._itl_ms = RecentSamples()  # autoscaling signal (event loop only)
+        self.replica.observers.extend(make(self.stats) for make in observers)
 
     # ---- the request -----------------------------------------------------------------
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
         """Stream `spec`'s deltas; prefill remotely when the spec names a prefill pool."""
         last_token_at: float | None = None
-        # aclosing: when our caller goes away, the inner generator's cleanup runs now.
-        async with contextlib.aclosing(self._generate(spec)) as deltas:
-            async for delta in deltas:
-                if delta.new_token_ids:
-                    now = time.perf_counter()
-                    if last_token_at is not None:
-                        self._itl_ms.add((now - last_token_at) * 1000 / len(delta.new_token_ids))
-                    last_token_at = now
-                yield delta
+        timeline = self._timelines[spec.request_id] = GenerationTrace(
+            spec, self.replica.name, self.pool
+        )
+        finish_reason: str | None = None
+        error: BaseException | None = None
+        try:
+            # aclosing: when our caller goes away, the inner generator's cleanup runs now.
+            async with contextlib.aclosing(self._generate(spec)) as deltas:
+                async for delta in deltas:
+                    delta = timeline.on_delta(delta)
+                    finish_reason = delta.finish_reason or finish_reason
+                    if delta.new_token_ids:
+                        now = time.perf_counter()
+                        if last_token_at is not None:
+                            per_token = (now - last_token_at) * 1000 / len(delta.new_token_ids)
+                            self._itl_ms.add(per_token)
+                        last_token_at = now
+                    yield delta
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if self._timelines.get(spec.request_id) is timeline:
+                del self._timelines[spec.request_id]
+            timeline.finish(finish_reason, error)
 
     async def _generate(self, spec: GenerationSpec) -> AsyncGenerator[RequestOutput, None]:
         request = self._make_request(spec)
+        self._timelines[spec.request_id].local_request = request
         if spec.prefill_pool is None or self.receiver is None:
             self.replica.counters["local_prefill"] += 1
             async for delta in self.loop.generate(request):
                 yield delta
             return
         rid = spec.request_id
+        deadline = time.monotonic() + (spec.timeout_s if spec.timeout_s is not None else 1e9)
         try:
-            started = await self._prefill_remotely(spec)
+            started = await self._prefill_remotely(spec, deadline)
             if started is None:
                 self.replica.counters["local_prefill_fallback"] += 1
                 started = rid, self.loop.open_stream(rid)
@@ -195,20 +235,37 @@ class DecodeServer:
                 self.loop.abort(engine_id)  # queued after fn: commands run in order
             raise
 
-    async def _prefill_remotely(self, spec: GenerationSpec) -> tuple[str, asyncio.Queue] | None:
-        """Try remote prefill (with one retry). When decoding has started: the engine
+    async def _prefill_remotely(
+        self, spec: GenerationSpec, deadline: float
+    ) -> tuple[str, asyncio.Queue] | None:
+        """Try remote prefill (with one retry on another replica) while the breakers and
+        the request's `deadline` (monotonic) allow. When decoding has started: the engine
         request id it runs under and its delta stream; None: prefill locally."""
         assert self.receiver is not None and spec.prefill_pool is not None
+        failed: list[str] = []  # replicas that failed this request: never retried
         for attempt in range(MAX_REMOTE_ATTEMPTS):
+            plan = self._plan(spec, failed, deadline)
+            if not plan.remote:
+                return None
             if attempt:
                 self.replica.counters["prefill_retries"] += 1
             reservation = Reservation(_transfer_id(spec.request_id, attempt))
-            ticket = await self._reserve(spec, reservation)
+            window_s = min(self.deadline_s, deadline - time.monotonic())
+            timeline = self._timelines[spec.request_id]
+            timeline.reserve_started()
+            ticket = await self._reserve(spec, reservation, window_s)
+            timeline.reserved(reservation.transfer_id, ticket is not None)
             if ticket is None:
                 self.replica.counters["no_kv_room"] += 1
                 return None  # prefill locally: the engine queues it until blocks free up
-            result = await self._transfer(spec, reservation, ticket)
+            timeline.prefill_call_started(reservation.transfer_id, spec.prefill_pool)
+            result, replica, may_retry = await self._transfer(spec, reservation, ticket, plan)
+            timeline.prefill_call_ended(result, replica)
             if result is None:
+                if not may_retry:
+                    return None
+                if replica is not None:
+                    failed.append(replica)
                 continue  # the dead attempt's blocks come back through its release
             self.replica.counters["remote_prefill"] += 1
             self.replica.counters[f"prefill_pool:{spec.prefill_pool}"] += 1
@@ -216,7 +273,11 @@ class DecodeServer:
             engine_id = reservation.transfer_id
             stream = self.loop.open_stream(engine_id)
 
-            def start(result: PrefillResult = result, landed: Reservation = reservation) -> None:
+            def start(
+                result: PrefillResult = result,
+                landed: Reservation = reservation,
+                timeline: GenerationTrace = timeline,
+            ) -> None:
                 # The KV landed (DONE): no writer left, the blocks pass to the decoding request.
                 self._forget(landed)
                 delta = self.engine.kv_received(
@@ -226,13 +287,31 @@ class DecodeServer:
                     result.num_cached_tokens,
                 )
                 self.loop.publish(delta)
+                timeline.published()
 
             await self._on_engine(start, engine_id)
             return engine_id, stream
         return None
 
-    async def _reserve(self, spec: GenerationSpec, reservation: Reservation) -> Ticket | None:
-        """Reserve the attempt's blocks and open its ticket; None: no room now."""
+    def _plan(self, spec: GenerationSpec, failed: list[str], deadline: float) -> PrefillPlan:
+        """Where the next remote attempt may go (remote=False: prefill locally), and why."""
+        assert spec.prefill_pool is not None
+        seconds_left = deadline - time.monotonic()
+        plan = self.planner.plan(spec.request_id, spec.prefill_pool, tuple(failed), seconds_left)
+        if not plan.remote:
+            local = "deadline_local_prefill" if plan.deadline_bound else "breaker_local_prefill"
+            self.replica.counters[local] += 1
+        return plan
+
+    def _decide(self, spec: GenerationSpec, reason: str) -> None:
+        assert spec.prefill_pool is not None
+        self.planner.decide(spec.request_id, spec.prefill_pool, reason)
+
+    async def _reserve(
+        self, spec: GenerationSpec, reservation: Reservation, window_s: float | None = None
+    ) -> Ticket | None:
+        """Reserve the attempt's blocks and open its ticket (deadline `window_s` from now,
+        default `deadline_s`); None: no room now."""
         assert self.receiver is not None
         request = self._make_request(spec, reservation.transfer_id)
         self._reservations[reservation.transfer_id] = reservation
@@ -249,7 +328,9 @@ class DecodeServer:
             self._forget(reservation)
             return None
         try:
-            ticket = self.receiver.open_ticket(reservation.transfer_id, block_ids, self.deadline_s)
+            ticket = self.receiver.open_ticket(
+                reservation.transfer_id, block_ids, window_s or self.deadline_s
+            )
         except BaseException:
             with contextlib.suppress(EngineDeadError):
                 self.loop.call(partial(self._drop_unticketed, reservation, reserve))
@@ -259,11 +340,16 @@ class DecodeServer:
         return ticket
 
     async def _transfer(
-        self, spec: GenerationSpec, reservation: Reservation, ticket: Ticket
-    ) -> PrefillResult | None:
-        """Have the prefill pool fill the attempt's ticket. None when the attempt failed:
-        the transfer is then aborted and its blocks come back through `release`."""
+        self, spec: GenerationSpec, reservation: Reservation, ticket: Ticket, plan: PrefillPlan
+    ) -> tuple[PrefillResult | None, str | None, bool]:
+        """Have the prefill pool fill the attempt's ticket: (the result, or None when the
+        attempt failed; the replica that served or failed it, None if unknown or never
+        routed; whether a retry may help: not after a timeout no replica took, nor when the
+        pool's queue is full).
+        A failed transfer is aborted and its blocks come back through `release`. The
+        outcome feeds the pool's and the replica's circuit breakers."""
         assert self.receiver is not None and spec.prefill_pool is not None
+        pool = spec.prefill_pool
         transfer_id = reservation.transfer_id
         prefill_request = PrefillRequest(
             request_id=transfer_id,
@@ -271,9 +357,13 @@ class DecodeServer:
             sampling_params=spec.sampling_params,
             tenant=spec.tenant,
             priority=spec.priority,
+            exclude_replicas=plan.exclude_replicas,
+            probe_replica=plan.probe_replica,
+            trace_context=self._timelines[spec.request_id].carrier,
         )
         response: Any = None
         try:
+            new_call_id()  # an earlier attempt may still be pending in the router
             response = self.prefill_pools[spec.prefill_pool].prefill.remote(prefill_request, ticket)
             # Bounded by the ticket's deadline: a prefill pool with no live replica must
             # not hang the request (Serve would queue the call indefinitely).
@@ -287,20 +377,40 @@ class DecodeServer:
                 raise self.receiver.error(transfer_id) or KVTransferError(
                     f"KV of {transfer_id} ended {state.value}"
                 )
-            return result
+            placements.pop(transfer_id)
+            self.breakers.record(pool, result.replica, ok=True)
+            self.replica.counters[f"prefill_ok:{result.replica}"] += 1
+            return result, result.replica, False
         except BaseException as exc:
             self.receiver.abort(transfer_id)  # the blocks come back through release
-            if self.receiver.poll(transfer_id) is TransferState.DONE:
+            ended = self.receiver.poll(transfer_id)
+            if ended is TransferState.DONE:
                 # It landed after all: no release will come, and no writer is left.
                 with contextlib.suppress(EngineDeadError):
                     self.loop.call(partial(self._free, reservation))
             if response is not None:
                 _cancel(response)
+            replica = placements.pop(transfer_id)
             if not isinstance(exc, Exception):  # cancelled, or the generator closed
                 raise
-            logger.warning("remote prefill attempt %s failed: %r", transfer_id, exc)
+            logger.warning("remote prefill attempt %s on %s failed: %r", transfer_id, replica, exc)
             self.replica.counters["prefill_failures"] += 1
-            return None
+            self.replica.counters[f"kv_transfer_failures:{ended.value}"] += 1
+            if _is_backpressure(exc):  # the pool's queue is full: not the replica's fault
+                self.replica.counters["prefill_backpressure"] += 1
+                self._decide(spec, f"pool {pool} queue full -> local prefill")
+                return None, None, False
+            if isinstance(exc, TimeoutError) and replica is None:
+                # Never routed (the pool is saturated or down): no blind retry.
+                self.breakers.record(pool, None, ok=False)
+                self.replica.counters["prefill_failed:unrouted"] += 1
+                self._decide(spec, f"attempt {transfer_id} timed out unrouted -> local prefill")
+                return None, None, False
+            self.breakers.record(pool, replica, ok=False)
+            self.replica.counters[f"prefill_failed:{replica or 'unknown'}"] += 1
+            kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
+            self._decide(spec, f"attempt {transfer_id} {kind} on {replica or 'unknown replica'}")
+            return None, replica, True
 
     # ---- reservations (engine thread, unless said otherwise) ----------------------------
 
@@ -371,6 +481,7 @@ class DecodeServer:
     def stats(self) -> dict[str, Any]:
         """Never waits on the engine thread: fine on the event loop or in Serve's threads."""
         stats = {"pool": self.pool, **self.replica.stats()}
+        stats.update(self.planner.snapshot())  # breakers, prefill_decisions
         if self.receiver is not None:  # blocks of ended transfers still fenced, quarantined
             stats["kv_transfers"] = self.receiver.transfer_counts()
             endpoint_stats = getattr(self.receiver, "endpoint_stats", None)
@@ -406,8 +517,19 @@ class DecodeServer:
             self.shutdown()
 
 
+def _known_replicas(pool: str) -> Collection[str] | None:
+    snapshot = pool_view.get(pool)
+    return None if snapshot is None else snapshot.replicas.keys()
+
+
 def _transfer_id(request_id: str, attempt: int) -> str:
     return f"{request_id}#{attempt}"
+
+
+def _is_backpressure(exc: BaseException) -> bool:
+    """Serve's `BackPressureError` (the handle's `max_queued_requests` is reached), by name:
+    nothing below `app/` imports Ray Serve."""
+    return any(type(e).__name__ == "BackPressureError" for e in (exc, exc.__cause__))
 
 
 async def _resolve(response: Any) -> Any:

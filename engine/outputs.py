@@ -10,6 +10,31 @@ class RequestFailedError(RuntimeError):
     to it); other requests and the engine are unaffected. Maps to a 5xx for this request."""
 
 
+@dataclass(frozen=True, slots=True)
+class TTFTBreakdown:
+    """Where a request's time to first token went, measured by the servers (milliseconds).
+
+    queue: waiting for KV room, for the prefill engine (handshake included) and in
+    attempts that failed; prefill: computing the prompt; transfer: KV still moving after
+    the prompt was computed (the part not overlapped with compute); handover: the calls
+    between the pools and confirming the KV arrived; first_step: the decode engine taking
+    the request in and publishing its first token. A locally prefilled request has only
+    queue and prefill.
+    """
+
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float = 0.0
+    handover_ms: float = 0.0
+    first_step_ms: float = 0.0
+    remote: bool = False
+
+    @property
+    def total_ms(self) -> float:
+        phases = (self.queue_ms, self.prefill_ms, self.transfer_ms, self.handover_ms)
+        return sum(phases) + self.first_step_ms
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One step's news for one request (a streaming delta)."""
@@ -25,6 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     stop_reason: int | str | None = None
     error: str | None = None  # why the request failed (finish_reason "error"), for the caller
+    ttft: TTFTBreakdown | None = None  # set by a decode server on a stream's first token
 
 
 @dataclass(slots=True)

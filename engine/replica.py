@@ -14,8 +14,8 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
@@ -52,6 +52,20 @@ def replica_name(role: str) -> str:
     return f"{role}@{socket.gethostname()}:{os.getpid()}"
 
 
+class ReplicaObserver(Protocol):
+    """Watches one replica from inside its process (e.g. exports its metrics)."""
+
+    def observe(self, name: str, value: float) -> None:
+        """One sample of a named measurement, e.g. "queue_seconds"; never blocks."""
+
+    def close(self) -> None:
+        """The replica is shutting down (called once)."""
+
+
+# Made by the server once it is built, given the server's `stats` (never blocks).
+ObserverFactory = Callable[[Callable[[], dict[str, Any]]], ReplicaObserver]
+
+
 class EngineReplica:
     """An engine plus its loop thread; counts what it served."""
 
@@ -68,6 +82,7 @@ class EngineReplica:
         self.engine = Engine(config, kv_cache=kv_cache)
         self.loop = AsyncEngine(self.engine)
         self.counters: Counter[str] = Counter()
+        self.observers: list[ReplicaObserver] = []
         self.started_at = time.time()
 
     @property
@@ -93,6 +108,7 @@ class EngineReplica:
         waits on the engine thread."""
         occupancy = self.loop.occupancy
         return {
+            "replica": self.name,  # the name circuit breakers and exclusions use
             "queued_tokens": occupancy["queued_tokens"],
             "num_free_blocks": occupancy["num_free_blocks"],
             "num_blocks": occupancy["num_blocks"],
@@ -110,5 +126,13 @@ class EngineReplica:
                 f"(limit {self.stall_timeout_s:.0f} s)"
             )
 
+    def observe(self, name: str, value: float) -> None:
+        """Hand one sample (e.g. a latency in seconds) to every observer."""
+        for observer in self.observers:
+            observer.observe(name, value)
+
     def shutdown(self) -> None:
+        for observer in self.observers:
+            observer.close()
+        self.observers.clear()
         self.loop.shutdown()

@@ -233,6 +233,7 @@ class Request:
     tenant: str = ""
     priority: int = 0  # lower is more important
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
     prefill_only: bool = False  # prefill pool: finish as FINISHED_PREFILLED after the prompt
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -22,6 +22,7 @@ new request is admitted meanwhile, so the suspects get the blocks that running r
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -244,6 +245,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(

@@ -304,6 +304,11 @@ class ClosesOnExit(abc.ABC):
     def close(self) -> None:
         """Release everything this end holds; idempotent."""
 
+    @abc.abstractmethod
+    def serving_problem(self) -> str | None:
+        """Called by the replica's health check: why this end cannot take transfers now
+        (closed, a service thread died), or None. Never blocks."""
+
     def __enter__(self: _End) -> _End:
         return self
 

@@ -112,6 +112,15 @@ class TableEnd:
     def _shutdown(self) -> None:
         """Backend teardown after open transfers were aborted (sockets, threads, memory)."""
 
+    def serving_problem(self) -> str | None:
+        """Closed, or the reaper (which expires transfers) died; stream backends also check
+        their own threads (they extend this)."""
+        if self._closed:
+            return f"{self._role} closed"
+        if not self._reaper.is_alive:
+            return f"{self._role} reaper thread died"
+        return None
+
     def close(self) -> None:
         with self._close_lock:
             if self._closed:

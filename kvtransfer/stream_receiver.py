@@ -101,6 +101,12 @@ class StreamReceiver(TableReceiver):
         )
         self._accept_thread.start()
 
+    def serving_problem(self) -> str | None:
+        problem = super().serving_problem()
+        if problem is None and not self._accept_thread.is_alive():
+            return "receiver accept thread died: no sender can connect"
+        return problem
+
     # -- backend hooks ---------------------------------------------------------------------
 
     def _receive_layer(

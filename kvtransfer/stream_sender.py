@@ -79,6 +79,12 @@ class StreamSender(TableSender):
         )
         self._worker.start()
 
+    def serving_problem(self) -> str | None:
+        problem = super().serving_problem()
+        if problem is None and not self._worker.is_alive():
+            return "sender thread died: no layer can be sent"
+        return problem
+
     # -- backend hooks ---------------------------------------------------------------------
 
     def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:

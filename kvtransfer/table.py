@@ -333,6 +333,11 @@ class Reaper:
             except Exception:
                 logger.exception("reaper tick failed")
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the thread still runs (it stops only through `stop`)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         """Called by the owner's close(); waits for the thread to exit."""
         self._stopped.set()

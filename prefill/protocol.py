@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.request import SamplingParams
 
@@ -16,6 +16,13 @@ class PrefillRequest:
     sampling_params: SamplingParams
     tenant: str = ""
     priority: int = 0
+    # Read by the replica router (app/replica_router.py): replicas this call must not go to
+    # (their breaker is open, or they just failed this request), and a half-open replica
+    # to probe with it. Names as in the replicas' routing stats (`replica`).
+    exclude_replicas: tuple[str, ...] = ()
+    probe_replica: str | None = None
+    # W3C trace context (traceparent, tracestate) of the decode span that made this call.
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +35,7 @@ class PrefillResult:
     num_cached_tokens: int  # prompt tokens the prefill replica reused from its prefix cache
     replica: str  # which prefill replica served it (for telemetry and tests)
     prefill_ms: float  # time on the prefill replica, admission to hand-off done
+    # prefill_ms by phase: handshake and queue, computing the prompt, KV still moving after
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    transfer_ms: float = 0.0

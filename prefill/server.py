@@ -16,14 +16,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.replica import EngineReplica
+from engine.replica import EngineReplica, ObserverFactory
 from engine.scheduler import SchedulerOutput
+from engine.signals import RecentSamples, busy_seconds, prefill_signals
 from kvtransfer import KVSender, KVTransferError, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
 from prefill.protocol import PrefillRequest, PrefillResult
+from prefill.trace import PrefillTrace
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,13 @@ class PrefillServer:
         backend: str,
         transfer_options: TransferOptions = TransferOptions(),
         pool: str = "prefill",
+        telemetry: Callable[[str], object] | None = None,
+        observers: Sequence[ObserverFactory] = (),
     ) -> None:
+        """`telemetry(role)`, when given, sets up this process's tracing first (once);
+        each of `observers` is called with `stats` once the replica is built."""
+        if telemetry is not None:
+            telemetry(f"prefill:{pool}")
         self.pool = pool
         self.replica = EngineReplica(f"prefill:{pool}", engine_config)
         self.engine = self.replica.engine
@@ -49,7 +59,14 @@ class PrefillServer:
             options=transfer_options,
         )
         self._tickets: dict[str, Ticket] = {}
+        self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for
+        self._prompt_tokens = RecentSamples()  # autoscaling signals (event loop only)
+        self._ttft_ms = RecentSamples()
+        # Prompt tokens accepted and not yet handed off, by priority (event loop only): the
+        # ingress counts only the work at or above a request's priority as ahead of it.
+        self._pending_tokens: Counter[int] = Counter()
+        self.replica.observers.extend(make(self.stats) for make in observers)
 
     # ---- the request -----------------------------------------------------------------
 
@@ -77,14 +94,20 @@ class PrefillServer:
                 f"{self.engine.kv_manager.num_blocks_for(len(request.prompt_token_ids))}"
             )
         self.replica.counters["requests"] += 1
+        timeline = PrefillTrace(
+            spec, self.replica.name, len(ticket.block_ids) * self.engine.kv_spec.bytes_per_block
+        )
         first = None
+        self._pending_tokens[spec.priority] += len(spec.prompt_token_ids)
         try:
             # Inside the try: a caller cancelled mid-handshake still gets the transfer
             # aborted (the connect thread runs on; abort reaches the receiver either way).
             await asyncio.to_thread(self.sender.connect, ticket, ticket.seconds_left())
             self._tickets[rid] = ticket
+            self._traces[rid] = timeline
             async for delta in self.replica.loop.generate(request):
                 first = delta
+            timeline.sampled()
             if first is None or first.finish_reason != "prefilled":
                 raise KVTransferError(f"prefill of {rid} ended as {first and first.finish_reason}")
             self.sender.finish(ticket)
@@ -92,13 +115,28 @@ class PrefillServer:
             if state != TransferState.DONE:
                 error = self.sender.error(rid)
                 raise error or KVTransferError(f"KV transfer of {rid} ended {state.value}")
-        except BaseException:
+        except BaseException as exc:
             self.sender.abort(rid)  # idempotent; release frees the blocks
             self.replica.counters["failed"] += 1
+            timeline.finish(request, "failed" if isinstance(exc, Exception) else "aborted", exc)
             raise
         finally:
             self._tickets.pop(rid, None)
+            self._traces.pop(rid, None)
+            self._pending_tokens[spec.priority] -= len(spec.prompt_token_ids)
+            if not self._pending_tokens[spec.priority]:
+                del self._pending_tokens[spec.priority]
+        phases = timeline.finish(request, state.value)
         self.replica.counters["prompt_tokens"] += len(spec.prompt_token_ids)
+        self.replica.counters["cached_tokens"] += first.num_cached_tokens
+        self.replica.counters["kv_transfer_bytes"] += (
+            len(ticket.block_ids) * self.engine.kv_spec.bytes_per_block
+        )
+        self.replica.counters["kv_transfer_us"] += round(phases.transfer_ms * 1000)
+        self.replica.observe("queue_seconds", phases.queue_ms / 1000)
+        self.replica.observe("prefill_seconds", (phases.compute_ms + phases.transfer_ms) / 1000)
+        self._prompt_tokens.add(len(spec.prompt_token_ids) - first.num_cached_tokens)
+        self._ttft_ms.add((time.perf_counter() - start) * 1000)
         return PrefillResult(
             request_id=rid,
             first_token_id=first.new_token_ids[0],
@@ -106,6 +144,9 @@ class PrefillServer:
             num_cached_tokens=first.num_cached_tokens,
             replica=self.replica.name,
             prefill_ms=(time.perf_counter() - start) * 1000,
+            queue_ms=phases.queue_ms,
+            compute_ms=phases.compute_ms,
+            transfer_ms=phases.transfer_ms,
         )
 
     def _layer_hook_for(self, output: SchedulerOutput):  # noqa: ANN202 - LayerHook | None
@@ -115,10 +156,14 @@ class PrefillServer:
         streams every block of the prompt, overlapping the transfer with its compute.
         """
         sends = []
+        timelines = []
         for item in output.scheduled:
             ticket = self._tickets.get(item.request.request_id)
             if ticket is not None and item.samples:
                 sends.append((ticket, item.block_table[: ticket.num_blocks]))
+                timeline = self._traces.get(item.request.request_id)
+                if timeline is not None and timeline.layer_sent_ns is not None:
+                    timelines.append(timeline)
         if not sends:
             return None
         kv = self.engine.kv_cache
@@ -128,6 +173,8 @@ class PrefillServer:
                 self.sender.send_layer(
                     ticket, layer, kv.key_caches[layer], kv.value_caches[layer], block_ids
                 )
+            for timeline in timelines:
+                timeline.layer_sent()
 
         return hook
 
@@ -150,12 +197,33 @@ class PrefillServer:
         return {"pool": self.pool, **self.replica.stats()}
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve polls this; our replica router reads it. Never blocks the event loop."""
-        return await self.replica.routing_stats()
+        """Ray Serve polls this; our replica router reads it, and the ingress predicts TTFT
+        from it (`queued_tokens`, `pending_tokens_by_priority`, `prefill_tokens_per_s`).
+        Never blocks the event loop."""
+        signals = await self.record_autoscaling_stats()
+        stats = await self.replica.routing_stats()
+        return {
+            **stats,
+            "prefill_tokens_per_s": signals["prefill_tokens_per_s"],
+            "pending_tokens_by_priority": {str(p): n for p, n in self._pending_tokens.items()},
+        }
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
+        names the signals). Never blocks the event loop."""
+        window_start = time.perf_counter() - self._prompt_tokens.window_s
+        busy_s = busy_seconds(self.engine.step_times.copy(), window_start)
+        return prefill_signals(
+            self.replica.loop.occupancy, self._prompt_tokens, self._ttft_ms, busy_s
+        )
 
     def check_health(self) -> None:
-        """Serve's health check: fails when the engine loop is dead or stuck (cheap)."""
+        """Serve's health check: fails when the engine loop is dead or stuck, or the KV
+        sender is closed or lost its threads (cheap: reads a few fields)."""
         self.replica.check_health()
+        problem = self.sender.serving_problem()
+        if problem is not None:
+            raise RuntimeError(f"prefill KV sender cannot serve: {problem}")
 
     def shutdown(self) -> None:
         self.sender.close()

@@ -27,6 +27,7 @@ from engine.builtin import write_builtin_model
 
 SERVED_MODEL = "pdserve-tiny"  # "pdserve-" + the model directory's name
 POOLS_IDLE_TIMEOUT_S = 10.0
+POOL_RESTART_TIMEOUT_S = 120.0  # a pool whose replica was killed answers stats again by then
 STARTUP_TIMEOUT_S = 180.0
 
 
@@ -114,19 +115,28 @@ class Server:
         assert response.status_code == 200, response.text
         return response.json()
 
-    def busy_pools(self) -> dict[str, tuple[int, int]]:
-        """Pools whose KV blocks are not all free: name -> (num_free_blocks, num_blocks)."""
+    def busy_pools(self) -> dict[str, tuple[int, int] | None]:
+        """Pools whose KV blocks are not all free: name -> (num_free_blocks, num_blocks), or
+        None for a pool that does not answer (no live replica: one was just killed)."""
         return {
-            name: (pool["num_free_blocks"], pool["num_blocks"])
+            name: None if "error" in pool else (pool["num_free_blocks"], pool["num_blocks"])
             for name, pool in self.stats()["pools"].items()
-            if pool["num_free_blocks"] != pool["num_blocks"]
+            if "error" in pool or pool["num_free_blocks"] != pool["num_blocks"]
         }
 
     def wait_pools_idle(self, timeout_s: float = POOLS_IDLE_TIMEOUT_S) -> None:
-        """Poll until every pool's KV blocks are free (freeing is asynchronous)."""
+        """Poll until every pool's KV blocks are free (freeing is asynchronous). A pool that
+        does not answer is waited for up to `POOL_RESTART_TIMEOUT_S`; `timeout_s` for the
+        blocks counts from when every pool answers."""
+        restart_deadline = time.monotonic() + POOL_RESTART_TIMEOUT_S
         deadline = time.monotonic() + timeout_s
         while busy := self.busy_pools():
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if None in busy.values():
+                if now > restart_deadline:
+                    pytest.fail(f"pools not answering {POOL_RESTART_TIMEOUT_S}s after the test")
+                deadline = now + timeout_s
+            elif now > deadline:
                 pytest.fail(f"KV blocks still in use {timeout_s}s after the test: {busy}")
             time.sleep(0.1)
 

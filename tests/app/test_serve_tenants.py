@@ -298,8 +298,8 @@ def test_quota_exceeded_is_429(server: Server) -> None:
         assert int(response.headers["retry-after"]) >= 1
         error = response.json()["error"]
         assert error["type"] == "rate_limit_error"
-        assert error["code"] == "rate_limit_exceeded"
-        assert "initech" in error["message"]
+        assert error["code"] == "tenant_concurrent_requests"
+        assert "initech" in error["message"] and "max_concurrent_requests" in error["message"]
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=SERVED_MODEL, prompt="hi", max_tokens=2)
         # The quota is per tenant: acme is not affected.

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 DURATION_S = 20
 RATE = 1.0
+USD_PER_HOUR = 3.6
 
 
 def test_bench_serve_e2e(
@@ -32,7 +33,7 @@ def test_bench_serve_e2e(
     argv += ["--short-input-len", "48", "--short-output-len", "16"]
     argv += ["--long-input-min", "300", "--long-input-max", "500", "--long-output-len", "8"]
     argv += ["--long-share", "0.2", "--slo-ttft", "2000", "--slo-tpot", "200", "--seed", "3"]
-    argv += ["--json", str(out)]
+    argv += ["--json", str(out), "--usd-per-hour", str(USD_PER_HOUR)]
     assert main(argv) == 0
 
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -64,3 +65,18 @@ def test_bench_serve_e2e(
     assert 0.0 <= slo["attainment"] <= 1.0
     assert slo["attainment"] <= min(slo["ttft_attainment"], slo["tpot_attainment"])
     assert set(summary["by_label"]) == {r["label"] for r in records}
+
+    # The server's side: its TTFT breakdown covers exactly the recorded requests (the
+    # warm-up finished before the clock started), and the cost is the fleet's rate over
+    # the run's duration, per token the client counted.
+    server = document["server"]
+    assert printed["server"] == server
+    breakdown = server["ttft_breakdown"]
+    assert breakdown["num_requests"] == summary["num_completed"]
+    assert 0 < breakdown["num_remote_prefill"] <= breakdown["num_requests"]  # threshold 0
+    assert 0 < breakdown["prefill_ms"]["p50"] <= breakdown["prefill_ms"]["p90"]
+    assert breakdown["total_ms"]["p50"] <= summary["ttft_ms"]["p90"]
+    tokens = summary["num_input_tokens"] + summary["num_output_tokens"]
+    usd = USD_PER_HOUR * summary["duration_s"] / 3600
+    assert server["cost"]["usd_per_1m_tokens"] == pytest.approx(usd / tokens * 1e6)
+    assert server["cost"]["usd_per_request"] == pytest.approx(usd / summary["num_completed"])

@@ -1,0 +1,17 @@
+"""Admission control: tenant quotas shared by every ingress replica, SLO classes, overload.
+
+Quotas and classes:
+- `config`: the `admission` / `ingress` config sections and each tenant's `quota` (pydantic).
+- `quotas`: token buckets, slot counts and the priority wait queue (pure, injected clock).
+- `leases`: an ingress replica's local share of the global buckets (pure).
+- `classes`: which SLO class (and so which priority) a request runs in.
+- `quota_service`: the global state (`QuotaLedger` actor, owned by the `QuotaService`
+  Serve deployment).
+- `controller`: what the ingress calls per request (`Admission.admit`).
+
+Overload (deadlines, load shedding): `overload_config`, `overload`, `deadlines`,
+`shedding`, `load_monitor`.
+
+The config modules import only the `*config` modules here, so loading a config never
+imports Ray.
+"""

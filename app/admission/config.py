@@ -1,0 +1,171 @@
+"""Config sections of admission control: tenant quotas, SLO classes, ingress replicas.
+
+`TenantQuota` is a tenant's `quota` (every limit optional: None = unlimited). `SLOClass`es are
+listed in `admission.classes`; a tenant's `default_class` names one. `IngressSettings` is the
+`ingress` section (how many ingress replicas share the quotas). Cross-section checks (a
+tenant's class exists) run in `check_tenant_classes`, called by `PDServeConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantQuota(_Strict):
+    """A tenant's limits, held globally (every ingress replica draws on the same ones).
+
+    Exceeding one gives 429 with a `code` naming it and a Retry-After from the bucket's
+    refill time. Rates are token buckets: `requests_per_second` refills at that rate up to
+    `request_burst`; the per-minute token limits refill at value/60 per second up to one
+    minute's worth.
+    """
+
+    max_concurrent_sequences: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequences in flight at once; a request with n choices counts n "
+        "(code tenant_concurrent_sequences).",
+    )
+    requests_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Sustained request rate (code tenant_rate_limit).",
+    )
+    request_burst: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests admitted at once above the rate; default ceil(requests_per_second).",
+    )
+    prompt_tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prompt tokens admitted per minute, charged at admission "
+        "(code tenant_prompt_tokens_per_minute).",
+    )
+    output_tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="Output tokens per minute, charged as they are produced; a tenant in debt "
+        "is refused until the bucket refills (code tenant_output_tokens_per_minute).",
+    )
+    kv_block_share: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="Share of each decode pool's KV blocks the tenant's requests may hold, "
+        "counted at admission as n x blocks of (prompt + max_tokens), the most a request can "
+        "fill (code tenant_kv_share).",
+    )
+    max_queued_requests: int = Field(
+        default=0,
+        ge=0,
+        description="Requests that may wait for a concurrency slot (higher class first); "
+        "0 = refuse at once. Past it: code tenant_queue_full.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TenantQuota:
+        if self.request_burst is not None and self.requests_per_second is None:
+            raise ValueError("quota.request_burst needs quota.requests_per_second")
+        return self
+
+    @property
+    def burst(self) -> int | None:
+        """Capacity of the request bucket (None without a request rate)."""
+        if self.requests_per_second is None:
+            return None
+        return self.request_burst or max(1, math.ceil(self.requests_per_second))
+
+
+class SLOClass(_Strict):
+    """A service class: its latency targets and its priority at every queue."""
+
+    name: str = Field(pattern=_NAME_PATTERN, description="Unique class name (e.g. interactive).")
+    ttft_s: float = Field(gt=0, allow_inf_nan=False, description="Time-to-first-token target.")
+    tpot_s: float = Field(gt=0, allow_inf_nan=False, description="Time-per-output-token target.")
+    priority: int = Field(
+        description="Priority at the ingress queue, the prefill queue, decode admission and "
+        "preemption; lower = more important (preempted last)."
+    )
+
+
+class AdmissionSettings(_Strict):
+    """SLO classes and how ingress replicas share the global quota state."""
+
+    classes: list[SLOClass] = Field(
+        default_factory=list,
+        description="Named SLO classes; a request may ask for a class no more important than "
+        "its tenant's default_class (header x-pdserve-slo-class or body pdserve.slo_class).",
+    )
+    lease_fraction: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Share of a bucket's capacity an ingress replica takes per remote call "
+        "(at least what the request needs); unused tokens go back after lease_ttl_s.",
+    )
+    lease_ttl_s: float = Field(
+        default=2.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds an ingress replica keeps an idle lease before returning it.",
+    )
+    queue_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest wait for a concurrency slot in a tenant's queue, then 429.",
+    )
+    quota_call_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Bound on one call to the quota service; past it the request gets 503.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AdmissionSettings:
+        names = [c.name for c in self.classes]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"admission.classes names must be unique; repeated: {repeated}")
+        return self
+
+    def slo_class(self, name: str) -> SLOClass | None:
+        """The class called `name`, if configured."""
+        return next((c for c in self.classes if c.name == name), None)
+
+
+class IngressSettings(_Strict):
+    """The HTTP ingress deployment (quotas hold across all its replicas)."""
+
+    num_replicas: int = Field(default=1, ge=1, description="Ingress replicas behind the proxy.")
+    num_cpus: float = Field(default=0.1, gt=0, description="CPUs reserved per ingress replica.")
+
+
+class _TenantLike(Protocol):
+    name: str
+    default_class: str | None
+
+
+def check_tenant_classes(admission: AdmissionSettings, tenants: Sequence[_TenantLike]) -> None:
+    """Every tenant's `default_class` names a configured class (ValueError otherwise)."""
+    known = [c.name for c in admission.classes]
+    for tenant in tenants:
+        if tenant.default_class is not None and tenant.default_class not in known:
+            raise ValueError(
+                f"tenant {tenant.name!r}: default_class {tenant.default_class!r} is not in "
+                f"admission.classes ({', '.join(known) or 'none configured'})"
+            )

@@ -1,0 +1,104 @@
+"""Recent-latency windows and the load signals a replica reports for autoscaling.
+
+Pure Python, no Ray: the servers record samples on their event loop and hand the dicts
+built here to Serve's `record_autoscaling_stats`; `app/autoscaling.py` reads them back by
+the same names. Each pool's signal names are listed once, below.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+# Window of the latency percentiles and the measured prefill rate: long enough to hold
+# several requests at low load, short enough to follow a load change within a minute.
+SIGNAL_WINDOW_S = 30.0
+MAX_SAMPLES = 4096
+
+PREFILL_SIGNALS = ("queued_prompt_tokens", "prefill_tokens_per_s", "ttft_p90_ms")
+DECODE_SIGNALS = (
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "num_running",
+    "num_waiting",
+    "num_waiting_for_kv",
+    "itl_p90_ms",
+)
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The `q`-quantile (0..1) of `values` by nearest rank; 0.0 when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = max(math.ceil(q * len(ordered)), 1)
+    return ordered[rank - 1]
+
+
+class RecentSamples:
+    """Timestamped values of the last `window_s` seconds (at most `MAX_SAMPLES` kept).
+
+    Appended and read by one thread (the replica's event loop).
+    """
+
+    def __init__(self, window_s: float = SIGNAL_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+
+    def add(self, value: float, now: float | None = None) -> None:
+        """Record `value` at `now` (monotonic seconds; default: the current time)."""
+        self._samples.append((time.monotonic() if now is None else now, value))
+
+    def values(self, now: float | None = None) -> list[float]:
+        """The values recorded within the window ending at `now`, oldest first."""
+        since = (time.monotonic() if now is None else now) - self.window_s
+        while self._samples and self._samples[0][0] < since:
+            self._samples.popleft()
+        return [value for _, value in self._samples]
+
+    def p90(self, now: float | None = None) -> float:
+        """90th percentile of the window's values (0.0 when empty)."""
+        return percentile(self.values(now), 0.9)
+
+
+def busy_seconds(step_times: Iterable[tuple[float, float]], since: float) -> float:
+    """Seconds the engine spent in steps that started at or after `since`
+    (`step_times`: `Engine.step_times`, (perf_counter start, duration) pairs)."""
+    return sum(duration for start, duration in step_times if start >= since)
+
+
+def prefill_signals(
+    occupancy: Mapping[str, int],
+    prompt_tokens: RecentSamples,
+    ttft_ms: RecentSamples,
+    busy_s: float,
+    now: float | None = None,
+) -> dict[str, float]:
+    """A prefill replica's signals: prompt tokens not yet computed, prompt tokens prefilled
+    per second of engine busy time (`busy_s`: step seconds within `prompt_tokens`' window;
+    0.0 until measured), and recent TTFT p90 (`prefill` call to KV delivered, ms)."""
+    tokens = sum(prompt_tokens.values(now))
+    return {
+        "queued_prompt_tokens": float(occupancy["queued_tokens"]),
+        "prefill_tokens_per_s": tokens / busy_s if tokens and busy_s > 0 else 0.0,
+        "ttft_p90_ms": ttft_ms.p90(now),
+    }
+
+
+def decode_signals(
+    occupancy: Mapping[str, int], itl_ms: RecentSamples, now: float | None = None
+) -> dict[str, float]:
+    """A decode replica's signals: KV blocks in use and in total, running sequences,
+    requests queued for admission (`num_waiting`) or for their KV to land
+    (`num_waiting_for_kv`), and recent ITL p90 (ms between a stream's tokens)."""
+    num_blocks = occupancy["num_blocks"]
+    return {
+        "kv_blocks_used": float(num_blocks - occupancy["num_free_blocks"]),
+        "kv_blocks_total": float(num_blocks),
+        "num_running": float(occupancy["num_running"]),
+        "num_waiting": float(occupancy["num_waiting"]),
+        "num_waiting_for_kv": float(occupancy["num_waiting_for_kv"]),
+        "itl_p90_ms": itl_ms.p90(now),
+    }

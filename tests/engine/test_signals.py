@@ -1,0 +1,64 @@
+"""Recent-latency windows and signal dicts (pure, no engine)."""
+
+from __future__ import annotations
+
+from engine.signals import (
+    RecentSamples,
+    busy_seconds,
+    decode_signals,
+    percentile,
+    prefill_signals,
+)
+
+
+def test_percentile_nearest_rank() -> None:
+    assert percentile([], 0.9) == 0.0
+    assert percentile([5.0], 0.9) == 5.0
+    values = [float(v) for v in range(1, 11)]  # 1..10
+    assert percentile(values, 0.9) == 9.0
+    assert percentile(reversed(values), 0.5) == 5.0
+    assert percentile(values, 1.0) == 10.0
+
+
+def test_recent_samples_forget_what_left_the_window() -> None:
+    samples = RecentSamples(window_s=10.0)
+    for t in range(20):
+        samples.add(float(t), now=float(t))
+    assert samples.values(now=19.0) == [float(t) for t in range(9, 20)]
+    assert samples.p90(now=19.0) == 18.0
+    assert samples.values(now=100.0) == [] and samples.p90(now=100.0) == 0.0
+
+
+def test_busy_seconds_and_signal_dicts() -> None:
+    steps = [(0.0, 1.0), (5.0, 0.5), (9.0, 0.25)]
+    assert busy_seconds(steps, since=4.0) == 0.75
+    tokens, ttft = RecentSamples(30.0), RecentSamples(30.0)
+    tokens.add(300, now=1.0)
+    tokens.add(600, now=2.0)
+    ttft.add(120.0, now=2.0)
+    occupancy = {
+        "queued_tokens": 42,
+        "num_blocks": 100,
+        "num_free_blocks": 75,
+        "num_running": 3,
+        "num_waiting": 1,
+        "num_waiting_for_kv": 2,
+    }
+    assert prefill_signals(occupancy, tokens, ttft, busy_s=0.5, now=3.0) == {
+        "queued_prompt_tokens": 42.0,
+        "prefill_tokens_per_s": 1800.0,
+        "ttft_p90_ms": 120.0,
+    }
+    assert (
+        prefill_signals(occupancy, tokens, ttft, busy_s=0.0, now=3.0)["prefill_tokens_per_s"] == 0
+    )
+    itl = RecentSamples(30.0)
+    itl.add(10.0, now=1.0)
+    assert decode_signals(occupancy, itl, now=2.0) == {
+        "kv_blocks_used": 25.0,
+        "kv_blocks_total": 100.0,
+        "num_running": 3.0,
+        "num_waiting": 1.0,
+        "num_waiting_for_kv": 2.0,
+        "itl_p90_ms": 10.0,
+    }
