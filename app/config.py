@@ -19,14 +19,13 @@ from pydantic import Field, model_validator
 
 from app.admission.config import AdmissionSettings, IngressSettings, check_tenant_classes
 from app.admission.overload_config import OverloadSettings
+from app.config_pools import AutoscalingSettings, PoolConfig
 from app.config_sections import (
-    AutoscalingSettings,
     ConfigError,
     EngineOverrides,
     HttpSettings,
     LimitSettings,
     ModelSettings,
-    PoolConfig,
     TenantConfig,
     TransferSettings,
     _Strict,

@@ -1,4 +1,6 @@
-"""The sections of the application's configuration: model, pools, transfer, tenants, limits.
+"""The sections of the application's configuration: model, transfer, tenants, limits, http.
+
+Pools and their autoscaling are in `app/config_pools.py`.
 
 Each is a strict pydantic model (unknown keys are errors) with a description on every field;
 `app/config.py` assembles them into `PDServeConfig` and runs the cross-section checks.
@@ -7,18 +9,16 @@ Each is a strict pydantic model (unknown keys are errors) with a description on 
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.admission.config import TenantQuota
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
-_NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
-_RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
+NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
 
 
 class ConfigError(ValueError):
@@ -29,6 +29,31 @@ class _Strict(BaseModel):
     """Base of every config model: unknown keys (typos) are errors."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class EngineOverrides(_Strict):
+    """Engine sizes one pool sets differently from `model` (unset = `model`'s value).
+
+    Only sizes may differ: model, dtype, block size and the rest stay in `model`, so every
+    pool's KV layout agrees and blocks transfer between them as they are.
+    """
+
+    kv_cache_bytes: int | None = Field(
+        default=None, gt=0, description="KV-cache budget of one replica of this pool, bytes."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, gt=0, description="Token budget of one engine step in this pool."
+    )
+    max_num_seqs: int | None = Field(
+        default=None, gt=0, description="Requests running at once per replica of this pool."
+    )
+    num_threads: int | None = Field(
+        default=None, ge=1, description="Torch threads per replica of this pool."
+    )
+
+    def set_fields(self) -> dict[str, int]:
+        """The overrides given (field -> value), without the unset ones."""
+        return {name: value for name, value in self.model_dump().items() if value is not None}
 
 
 class ModelSettings(_Strict):
@@ -101,275 +126,6 @@ class ModelSettings(_Strict):
         )
 
 
-class EngineOverrides(_Strict):
-    """Engine sizes one pool sets differently from `model` (unset = `model`'s value).
-
-    Only sizes may differ: model, dtype, block size and the rest stay in `model`, so every
-    pool's KV layout agrees and blocks transfer between them as they are.
-    """
-
-    kv_cache_bytes: int | None = Field(
-        default=None, gt=0, description="KV-cache budget of one replica of this pool, bytes."
-    )
-    max_num_batched_tokens: int | None = Field(
-        default=None, gt=0, description="Token budget of one engine step in this pool."
-    )
-    max_num_seqs: int | None = Field(
-        default=None, gt=0, description="Requests running at once per replica of this pool."
-    )
-    num_threads: int | None = Field(
-        default=None, ge=1, description="Torch threads per replica of this pool."
-    )
-
-    def set_fields(self) -> dict[str, int]:
-        """The overrides given (field -> value), without the unset ones."""
-        return {name: value for name, value in self.model_dump().items() if value is not None}
-
-
-class AutoscalingSettings(_Strict):
-    """Serve autoscaling of one pool (replaces a fixed `num_replicas`).
-
-    `policy: slo` (default) scales the pool on its own signal (`app/autoscaling.py`):
-    prefill on predicted queue wait against `ttft_slo_ms`, decode on KV occupancy and ITL
-    against `tpot_slo_ms`. `policy: ongoing_requests` is Serve's built-in policy.
-    """
-
-    min_replicas: int = Field(default=1, ge=1, description="Replicas kept at all times.")
-    max_replicas: int = Field(default=1, ge=1, description="Most replicas scaled up to.")
-    policy: Literal["slo", "ongoing_requests"] = Field(
-        default="slo",
-        description="slo: the pool's own signal (prefill: queue wait vs TTFT SLO; decode: KV "
-        "occupancy and ITL vs TPOT SLO). ongoing_requests: Serve's built-in policy.",
-    )
-    target_ongoing_requests: float = Field(
-        default=8.0,
-        gt=0,
-        description="Ongoing requests per replica Serve aims for (policy ongoing_requests).",
-    )
-    ttft_slo_ms: float = Field(
-        default=1000.0, gt=0, description="Prefill: the TTFT SLO the pool is sized for, ms."
-    )
-    queue_wait_fraction: float = Field(
-        default=0.5,
-        gt=0,
-        le=1,
-        description="Prefill: predicted queue wait may use this fraction of ttft_slo_ms.",
-    )
-    prefill_tokens_per_s: float = Field(
-        default=1000.0,
-        gt=0,
-        description="Prefill: tokens/s one replica is assumed to prefill until it has measured "
-        "its own rate.",
-    )
-    tpot_slo_ms: float = Field(
-        default=100.0, gt=0, description="Decode: the TPOT/ITL SLO the pool is sized for, ms."
-    )
-    target_kv_usage: float = Field(
-        default=0.7,
-        gt=0,
-        le=1,
-        description="Decode: fraction of KV blocks in use the pool aims for.",
-    )
-    target_running_seqs: float | None = Field(
-        default=None,
-        gt=0,
-        description="Decode: running sequences per replica the pool aims for; None = ignore.",
-    )
-    downscale_utilization: float = Field(
-        default=0.6,
-        gt=0,
-        lt=1,
-        description="Hysteresis: remove a replica only when the others would be loaded at most "
-        "this fraction of target and latency (TTFT, ITL) is under this fraction of its SLO.",
-    )
-    upscale_cooldown_s: float = Field(
-        default=10.0, ge=0, description="Seconds after a scale-up before scaling up again."
-    )
-    downscale_cooldown_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="Seconds after any scaling before scaling down (one replica at a time).",
-    )
-    upscale_delay_s: float = Field(
-        default=2.0, ge=0, description="Serve: a scale-up decision must hold this long."
-    )
-    downscale_delay_s: float = Field(
-        default=10.0, ge=0, description="Serve: a scale-down decision must hold this long."
-    )
-    look_back_period_s: float = Field(
-        default=10.0, gt=0, description="Serve: window the replicas' signals are averaged over."
-    )
-    metrics_interval_s: float = Field(
-        default=2.0,
-        gt=0,
-        description="Serve: seconds between a replica's signal reports to the controller.",
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> AutoscalingSettings:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})"
-            )
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError(
-                f"look_back_period_s ({self.look_back_period_s}) must exceed "
-                f"metrics_interval_s ({self.metrics_interval_s}): each window needs a report"
-            )
-        return self
-
-    def policy_knobs(self) -> dict[str, float | None]:
-        """The knobs the SLO policies read (`app/autoscaling.py` `PolicyKnobs` fields)."""
-        return self.model_dump(
-            exclude={
-                "min_replicas",
-                "max_replicas",
-                "policy",
-                "target_ongoing_requests",
-                "upscale_delay_s",
-                "downscale_delay_s",
-                "look_back_period_s",
-                "metrics_interval_s",
-            }
-        )
-
-
-class PoolConfig(_Strict):
-    """One Serve deployment of prefill or decode replicas.
-
-    Replica count: give `num_replicas` or `autoscaling`, not both; with neither, the pool
-    has one fixed replica. After validation exactly one of the two is set.
-    """
-
-    name: str = Field(
-        pattern=_NAME_PATTERN,
-        description="Unique pool name: a letter, then letters, digits, _ or -.",
-    )
-    role: Literal["prefill", "decode"] = Field(description="What the pool's replicas run.")
-    num_replicas: int | None = Field(
-        default=None, ge=1, description="Fixed replica count (default 1)."
-    )
-    autoscaling: AutoscalingSettings | None = Field(
-        default=None, description="Autoscale instead of num_replicas."
-    )
-    num_cpus: float = Field(default=1.0, gt=0, description="CPUs reserved per replica.")
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs reserved per replica.")
-    resources: dict[str, PositiveFloat] = Field(
-        default_factory=dict, description='Custom Ray resources per replica: {"h200_prefill": 1}.'
-    )
-    min_context_tokens: int | None = Field(
-        default=None, ge=1, description="Prefill only: shortest prompt served (default 1)."
-    )
-    max_context_tokens: int | None = Field(
-        default=None, ge=1, description="Prefill only: longest prompt served (default unbounded)."
-    )
-    max_ongoing_requests: int = Field(
-        default=64,
-        ge=1,
-        description="Requests Serve sends one replica at once (Serve's own limit).",
-    )
-    max_queued_requests: int = Field(
-        default=256,
-        ge=1,
-        description="Requests a caller's handle queues for this pool before refusing more "
-        "(Serve's own limit, the last guard against overload: the ingress answers 503 "
-        "overloaded; a decode replica prefills locally).",
-    )
-    engine: EngineOverrides = Field(
-        default_factory=EngineOverrides,
-        description="Engine sizes of this pool's replicas where they differ from `model`.",
-    )
-    drain_timeout_s: float = Field(
-        default=120.0,
-        gt=0,
-        description="A stopping replica (scale-down, redeploy) finishes its requests for at "
-        "most this long before Serve stops it (Serve's graceful_shutdown_timeout_s).",
-    )
-    drain_poll_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="Seconds between a draining replica's checks for unfinished requests "
-        "(Serve's graceful_shutdown_wait_loop_s).",
-    )
-
-    @field_validator("resources")
-    @classmethod
-    def _check_resources(cls, value: dict[str, float]) -> dict[str, float]:
-        for key in _RESERVED_RESOURCES.intersection(value):
-            raise ValueError(f"resource {key!r} is set by num_cpus/num_gpus, not resources")
-        return value
-
-    @model_validator(mode="after")
-    def _check(self) -> PoolConfig:
-        if self.num_replicas is not None and self.autoscaling is not None:
-            raise ValueError(f"pool {self.name!r}: set num_replicas or autoscaling, not both")
-        if self.num_replicas is None and self.autoscaling is None:
-            self.num_replicas = 1
-        has_range = self.min_context_tokens is not None or self.max_context_tokens is not None
-        if self.role == "decode" and has_range:
-            raise ValueError(
-                f"decode pool {self.name!r}: min_context_tokens/max_context_tokens apply to "
-                "prefill pools only"
-            )
-        if self.context_range[0] > self.context_range[1]:
-            raise ValueError(
-                f"pool {self.name!r}: min_context_tokens ({self.min_context_tokens}) > "
-                f"max_context_tokens ({self.max_context_tokens})"
-            )
-        return self
-
-    @property
-    def context_range(self) -> tuple[int | float, int | float]:
-        """Inclusive prompt-length range this prefill pool serves (upper bound may be inf)."""
-        low = self.min_context_tokens if self.min_context_tokens is not None else 1
-        high = self.max_context_tokens if self.max_context_tokens is not None else math.inf
-        return low, high
-
-    @property
-    def max_num_replicas(self) -> int:
-        """The most replicas the pool can have (fixed count, or autoscaling maximum)."""
-        if self.autoscaling is not None:
-            return self.autoscaling.max_replicas
-        assert self.num_replicas is not None
-        return self.num_replicas
-
-    def serve_options(self) -> dict[str, Any]:
-        """Keyword arguments for `Deployment.options(...)` of this pool's deployment."""
-        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        options: dict[str, Any] = {
-            "name": self.name,
-            "ray_actor_options": {**actor, "resources": dict(self.resources)},
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
-            "graceful_shutdown_timeout_s": self.drain_timeout_s,
-            "graceful_shutdown_wait_loop_s": self.drain_poll_s,
-        }
-        if self.autoscaling is not None:
-            return {**options, "autoscaling_config": self._autoscaling_config(self.autoscaling)}
-        return {**options, "num_replicas": self.num_replicas}
-
-    def _autoscaling_config(self, settings: AutoscalingSettings) -> dict[str, Any]:
-        """Serve's `autoscaling_config` dict; the SLO policies live in `app/autoscaling.py`."""
-        config: dict[str, Any] = settings.model_dump(
-            include={
-                "min_replicas",
-                "max_replicas",
-                "target_ongoing_requests",
-                "upscale_delay_s",
-                "downscale_delay_s",
-                "look_back_period_s",
-                "metrics_interval_s",
-            }
-        )
-        if settings.policy == "slo":
-            policy = "PrefillPolicy" if self.role == "prefill" else "DecodePolicy"
-            config["policy"] = {
-                "policy_function": f"app.autoscaling:{policy}",
-                "policy_kwargs": settings.policy_knobs(),
-            }
-        return config
-
-
 class TransferSettings(_Strict):
     """How KV blocks move from prefill to decode replicas."""
 
@@ -427,7 +183,7 @@ class TenantConfig(_Strict):
     in `api_keys`, which are stored in the app args and so allowed only on a loopback host.
     """
 
-    name: str = Field(pattern=_NAME_PATTERN, description="Unique tenant name.")
+    name: str = Field(pattern=NAME_PATTERN, description="Unique tenant name.")
     api_keys: list[str] = Field(
         default_factory=list,
         description="Inline API keys (loopback hosts only: app args are visible to operators).",

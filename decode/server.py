@@ -11,26 +11,17 @@ A request's life here (one streaming `generate` call from the ingress):
         another replica, then prefill locally; circuit breakers (`decode/breaker.py`) skip
         replicas and pools that keep failing, and the request's deadline bounds it all
 
-KV ownership. Once a ticket is open, the reserved blocks return to the pool only through
-the receiver's `release` (the transfer is terminal on both ends and its writer fenced: a
-prefill process still copying into them, or our own thread landing a frame), never right
-after `abort`. Before the ticket no writer exists and the reservation is dropped directly.
-Every attempt has its own transfer id (`<request id>#<attempt>`), which is also the engine
-request id of its reservation (and of the decoding that follows, relabelled for the
-caller): a late `release` of a dead attempt can never free the blocks of the next one, and
-a retry need not wait for a dead attempt's blocks, which stay fenced as long as its writer
-may still run.
-
-Leases. Each reservation expires at its ticket's deadline plus the fence allowance. When
-its owner (the `generate` call) is gone and the lease has expired, a check between engine
-steps aborts the transfer through the receiver (the blocks again come back via `release`);
-only a reservation no writer can touch (no ticket, or the KV already landed) is freed there.
+KV ownership (`decode/reservations.py`): once a ticket is open, reserved blocks return to
+the pool only through the receiver's `release`, never right after `abort`. Every attempt
+has its own transfer id (`<request id>#<attempt>`), which is also the engine request id of
+its reservation (and of the decoding that follows, relabelled for the caller): a late
+`release` of a dead attempt can never free the blocks of the next one, and a retry need not
+wait for a dead attempt's blocks, which stay fenced as long as its writer may still run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -43,13 +34,13 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlan, PrefillPlanner
 from decode.placement import placements, pool_view
 from decode.protocol import GenerationSpec
+from decode.reservations import Reservation, ReservationTable
 from decode.serve_calls import new_call_id
 from decode.trace import GenerationTrace
 from engine.async_engine import EngineDeadError
@@ -67,7 +58,6 @@ from kvtransfer import (
     Ticket,
     TransferOptions,
     TransferState,
-    UnknownTransferError,
 )
 from kvtransfer import create_receiver as create_kv_receiver
 from prefill.protocol import PrefillRequest, PrefillResult
@@ -77,7 +67,6 @@ T = TypeVar("T")
 
 MAX_REMOTE_ATTEMPTS = 2  # the first try, then one retry (Serve may pick another replica)
 FENCE_MARGIN_S = 2.0  # on top of fence_timeout_s: the release's trip to the engine thread
-LEASE_CHECK_INTERVAL_S = 0.5
 
 
 class PrefillHandle(Protocol):
@@ -85,21 +74,6 @@ class PrefillHandle(Protocol):
 
     @property
     def prefill(self) -> Any: ...
-
-
-@dataclass(slots=True, eq=False)
-class Reservation:
-    """Blocks the engine holds (WAITING_FOR_KV) for one remote-prefill attempt.
-
-    Lives in `DecodeServer._reservations` from just before `reserve_for_kv` until the
-    blocks are freed (`release`, or directly while no writer can touch them) or handed to
-    the decoding request (KV landed).
-    """
-
-    transfer_id: str  # also the engine request id holding the blocks
-    ticket_open: bool = False
-    expires_at: float = float("inf")  # monotonic: ticket deadline + fence allowance
-    owned: bool = True  # the generate call that made it still runs
 
 
 class DecodeServer:
@@ -141,7 +115,7 @@ class DecodeServer:
                 spec,
                 kv_cache,
                 model_id=model_id_for(model_config, model_dir),
-                release=self._on_release,
+                release=lambda transfer_id: self.reservations.on_release(transfer_id),
                 options=transfer_options,
                 **dict(receiver_endpoint or {}),
             )
@@ -149,10 +123,10 @@ class DecodeServer:
         self.replica = EngineReplica(f"decode:{pool}", engine_config, kv_cache=kv_cache)
         self.engine = self.replica.engine
         self.loop = self.replica.loop
-        self._reservations: dict[str, Reservation] = {}  # by transfer id
-        self._next_lease_check = 0.0
+        self.reservations = ReservationTable(self.engine, self.loop, self.receiver)
+        self._reservations = self.reservations.entries  # by transfer id
         if self.receiver is not None:
-            self.loop.between_steps.append(self._check_leases)
+            self.loop.between_steps.append(self.reservations.check_leases)
         self._itl_ms = RecentSamples()  # autoscaling signal (event loop only)
         self.replica.observers.extend(make(self.stats) for make in observers)
 
@@ -279,7 +253,7 @@ class DecodeServer:
                 timeline: GenerationTrace = timeline,
             ) -> None:
                 # The KV landed (DONE): no writer left, the blocks pass to the decoding request.
-                self._forget(landed)
+                self.reservations.forget(landed)
                 delta = self.engine.kv_received(
                     landed.transfer_id,
                     result.first_token_id,
@@ -314,7 +288,7 @@ class DecodeServer:
         default `deadline_s`); None: no room now."""
         assert self.receiver is not None
         request = self._make_request(spec, reservation.transfer_id)
-        self._reservations[reservation.transfer_id] = reservation
+        self.reservations.add(reservation)
         reserve = self.loop.call(partial(self.engine.reserve_for_kv, request))
         try:
             block_ids = await asyncio.shield(asyncio.wrap_future(reserve))
@@ -322,10 +296,10 @@ class DecodeServer:
             # Cancelled before the ticket: no writer can have these blocks. Drop them after
             # the reservation has run (engine commands run in order).
             with contextlib.suppress(EngineDeadError):
-                self.loop.call(partial(self._drop_unticketed, reservation, reserve))
+                self.loop.call(partial(self.reservations.drop_unticketed, reservation, reserve))
             raise
         if block_ids is None:
-            self._forget(reservation)
+            self.reservations.forget(reservation)
             return None
         try:
             ticket = self.receiver.open_ticket(
@@ -333,7 +307,7 @@ class DecodeServer:
             )
         except BaseException:
             with contextlib.suppress(EngineDeadError):
-                self.loop.call(partial(self._drop_unticketed, reservation, reserve))
+                self.loop.call(partial(self.reservations.drop_unticketed, reservation, reserve))
             raise
         reservation.ticket_open = True
         reservation.expires_at = time.monotonic() + ticket.seconds_left() + self.fence_allowance_s
@@ -387,7 +361,7 @@ class DecodeServer:
             if ended is TransferState.DONE:
                 # It landed after all: no release will come, and no writer is left.
                 with contextlib.suppress(EngineDeadError):
-                    self.loop.call(partial(self._free, reservation))
+                    self.loop.call(partial(self.reservations.free, reservation))
             if response is not None:
                 _cancel(response)
             replica = placements.pop(transfer_id)
@@ -411,70 +385,6 @@ class DecodeServer:
             kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
             self._decide(spec, f"attempt {transfer_id} {kind} on {replica or 'unknown replica'}")
             return None, replica, True
-
-    # ---- reservations (engine thread, unless said otherwise) ----------------------------
-
-    def _forget(self, reservation: Reservation) -> None:
-        """Any thread: stop tracking `reservation` (its blocks are free or decoding)."""
-        if self._reservations.get(reservation.transfer_id) is reservation:
-            del self._reservations[reservation.transfer_id]
-
-    def _free(self, reservation: Reservation) -> None:
-        """Free a reservation's blocks now; only once no writer can touch them."""
-        if self._reservations.get(reservation.transfer_id) is not reservation:
-            return  # already freed
-        del self._reservations[reservation.transfer_id]
-        self.engine.kv_failed(reservation.transfer_id)
-
-    def _drop_unticketed(
-        self, reservation: Reservation, reserve: concurrent.futures.Future
-    ) -> None:
-        """The owner gave up before the ticket opened: drop what `reserve` may have held."""
-        if reserve.cancelled() or reserve.exception() is not None or reserve.result() is None:
-            self._forget(reservation)  # nothing was reserved
-            return
-        self._free(reservation)
-
-    def _on_release(self, transfer_id: str) -> None:
-        """Receiver thread: a transfer ended without KV and its writer is fenced; free its
-        blocks if they are still reserved."""
-
-        def free() -> None:
-            reservation = self._reservations.get(transfer_id)
-            if reservation is not None:
-                self._free(reservation)
-
-        with contextlib.suppress(EngineDeadError):
-            self.loop.call(free)
-
-    def _check_leases(self) -> None:
-        """Between engine steps: expire the reservations whose owner is gone."""
-        now = time.monotonic()
-        if now < self._next_lease_check:
-            return
-        self._next_lease_check = now + LEASE_CHECK_INTERVAL_S
-        try:
-            for reservation in list(self._reservations.values()):
-                if not reservation.owned and reservation.expires_at <= now:
-                    self._expire(reservation)
-        except Exception:  # never the engine loop's problem
-            logger.exception("checking KV reservation leases failed")
-
-    def _expire(self, reservation: Reservation) -> None:
-        assert self.receiver is not None
-        if not reservation.ticket_open:
-            self._free(reservation)
-            return
-        try:
-            state: TransferState | None = self.receiver.poll(reservation.transfer_id)
-        except UnknownTransferError:
-            state = None  # long settled: its release already ran
-        if state is None or state is TransferState.DONE:
-            self._free(reservation)  # the KV landed and nobody decodes it: no writer
-        elif not state.is_terminal:
-            logger.warning("lease of %s expired, its owner gone: aborting", reservation.transfer_id)
-            self.receiver.abort(reservation.transfer_id)  # blocks come back via release
-        # else: ended and still fenced (its writer may still run): release frees it
 
     # ---- operations ------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.config_sections import PoolConfig
+from app.config_pools import PoolConfig
 from app.observability.config import CostSettings
 
 PER_MILLION = 1_000_000

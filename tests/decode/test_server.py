@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from decode.protocol import GenerationSpec
-from decode.server import DecodeServer, Reservation
+from decode.reservations import Reservation
+from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.engine import Engine
