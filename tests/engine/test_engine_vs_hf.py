@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine.builtin import write_builtin_model
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
+from tests.engine.hf_reference import hf_greedy
 
 PROMPTS = [
     "hello",
@@ -31,17 +30,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 @pytest.fixture(scope="module")
 def hf_outputs(model_dir: Path) -> list[list[int]]:
     """`transformers` greedy generation, one prompt at a time (no padding effects)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine = Engine(EngineConfig(model_dir=str(model_dir)))
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([engine.tokenize(prompt)])
-        with torch.no_grad():
-            out = model.generate(
-                ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
-            )
-        outputs.append(out[0, ids.shape[1] :].tolist())
-    return outputs
+    return hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
 
 
 def generate(model_dir: Path, prompts: list[str], **config: object) -> list[list[int]]:

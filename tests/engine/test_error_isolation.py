@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.builtin import write_builtin_model
@@ -26,6 +25,7 @@ from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
 from engine.replica import EngineReplica
 from engine.request import InvalidRequestError, Request, SamplingParams
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from tests.engine.hf_reference import hf_greedy
 
 PROMPTS = [
     "hello",
@@ -46,17 +46,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> list[list[int]]:
     """`transformers` greedy generation, one prompt at a time."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    engine = Engine(EngineConfig(model_dir=str(model_dir)))
-    outputs = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([engine.tokenize(prompt)])
-        with torch.no_grad():
-            out = model.generate(
-                ids, max_new_tokens=MAX_TOKENS, do_sample=False, attention_mask=torch.ones_like(ids)
-            )
-        outputs.append(out[0, ids.shape[1] :].tolist())
-    return outputs
+    return hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture()
