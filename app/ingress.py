@@ -45,7 +45,7 @@ from app.handle import GenerateChunk, GenerateRequest
 from app.observability.tracing import TracingMiddleware, configure_tracing
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
-from engine.request import InvalidRequestError
+from engine.request import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -201,23 +201,9 @@ class Ingress:
         self.frontend.check_params(params)
         slo_class = requested_class(request.headers, raw)
         prompt_ids = await self.frontend.tokenize_prompt(body.prompt)
-        timeout_s, timeout_param = requested_timeout(request.headers, body.timeout)
-        prepared = self.frontend.prepare(
-            api_key,
-            prompt_ids,
-            params,
-            body.n,
-            slo_class=slo_class,
-            timeout_s=timeout_s,
-            timeout_param=timeout_param,
+        return await self._run(
+            request, api_key, body, prompt_ids, params, slo_class, CompletionBuilder, "prompt"
         )
-        builder = CompletionBuilder(
-            self.frontend.model_name,
-            n=body.n,
-            num_logprobs=params.logprobs,
-            tokens=self.token_strings,
-        )
-        return await self._respond(prepared, builder, body.stream, body.include_usage)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -231,18 +217,36 @@ class Ingress:
         slo_class = requested_class(request.headers, raw)
         prompt_ids = await self.frontend.tokenize_chat(body.chat_messages())
         params = body.to_sampling_params(self.frontend.default_max_tokens(len(prompt_ids)))
+        return await self._run(
+            request, api_key, body, prompt_ids, params, slo_class, ChatBuilder, "messages"
+        )
+
+    async def _run(
+        self,
+        request: Request,
+        api_key: str | None,
+        body: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        slo_class: str | None,
+        builder_class: type[CompletionBuilder] | type[ChatBuilder],
+        prompt_param: str,
+    ) -> Response:
+        """What both OpenAI routes do once the body is valid and tokenized: deadline,
+        limits and routing (`prompt_param` names the prompt's field in errors), then the
+        answer as JSON or as server-sent events."""
         timeout_s, timeout_param = requested_timeout(request.headers, body.timeout)
         prepared = self.frontend.prepare(
             api_key,
             prompt_ids,
             params,
             body.n,
-            "messages",
+            prompt_param,
             slo_class=slo_class,
             timeout_s=timeout_s,
             timeout_param=timeout_param,
         )
-        builder = ChatBuilder(
+        builder = builder_class(
             self.frontend.model_name,
             n=body.n,
             num_logprobs=params.logprobs,
