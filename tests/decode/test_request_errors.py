@@ -25,6 +25,7 @@ from engine.outputs import RequestFailedError
 from engine.request import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from prefill.server import PrefillServer
+from tests.decode.test_server import InProcessHandle, collect, wait_all_free
 
 PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "tiny", "x" * 70]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -38,20 +39,6 @@ class FailsOnCulprit(Sampler):
         if any(p.seed == CULPRIT.seed for p in batch.params):
             raise IndexError("injected: the culprit's parameters break the sampler")
         return super().__call__(logits, batch)
-
-
-class InProcessHandle:
-    """Calls `server.prefill` like `handle.prefill.remote(...)` would."""
-
-    def __init__(self, server: PrefillServer) -> None:
-        self._server = server
-
-    @property
-    def prefill(self) -> InProcessHandle:
-        return self
-
-    def remote(self, *args: object) -> asyncio.Future:
-        return asyncio.ensure_future(self._server.prefill(*args))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -84,22 +71,6 @@ def spec(decode: DecodeServer, i: int, params: SamplingParams, pool: str | None)
         sampling_params=params,
         prefill_pool=pool,
     )
-
-
-async def collect(decode: DecodeServer, spec: GenerationSpec) -> list[int]:
-    tokens: list[int] = []
-    async for delta in decode.generate(spec):
-        tokens.extend(delta.new_token_ids)
-    return tokens
-
-
-def wait_all_free(*servers: PrefillServer | DecodeServer) -> None:
-    """Freeing after a hand-off is asynchronous; the stats snapshot shows it."""
-    while True:
-        stats = [s.stats() for s in servers]
-        if all(st["num_free_blocks"] == st["num_blocks"] and st["num_held"] == 0 for st in stats):
-            return
-        time.sleep(0.05)
 
 
 def test_prefill_failure_surfaces_and_falls_back(servers, expected) -> None:

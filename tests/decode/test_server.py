@@ -103,7 +103,7 @@ def wait_all_free(*servers: object, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = [s.stats() for s in servers]  # type: ignore[attr-defined]
-        if all(st["num_free_blocks"] == st["num_blocks"] for st in stats):
+        if all(st["num_free_blocks"] == st["num_blocks"] and st["num_held"] == 0 for st in stats):
             return
         time.sleep(0.05)
     raise AssertionError(f"blocks still held: {stats}")
