@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from bench.metrics import finite_or_none, percentile
-from bench.serve_app import RunningApp, app_args, free_port, running_app
+from bench.serve_app import RunningApp, add_app_arguments, app_args, free_port, running_app
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,10 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    parser.add_argument("--config", default="cpu-autoscale", help="configs/<name>.yaml or path")
-    parser.add_argument("--model", default=None, help="override the config's model")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the Ray instance")
+    add_app_arguments(parser, "cpu-autoscale")
     parser.add_argument("--rate", type=float, default=1.0, help="low load, requests/s")
     parser.add_argument("--peak", type=float, default=4.0, help="peak load = rate x this")
     parser.add_argument("--low-s", type=float, default=30.0, help="seconds at low load, each end")

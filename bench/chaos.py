@@ -47,7 +47,7 @@ from tqdm import tqdm
 from bench.chaos_report import Fault, Record, human_summary, mark_decode_kills, plot, summarize
 from bench.faults import replica_pids, signal_pid, wait_for_new_replica
 from bench.metrics import finite_or_none
-from bench.serve_app import RunningApp, app_args, free_port, running_app
+from bench.serve_app import RunningApp, add_app_arguments, app_args, free_port, running_app
 
 logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -314,10 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    parser.add_argument("--config", default="cpu-disagg", help="configs/<name>.yaml or a path")
-    parser.add_argument("--model", default=None, help="override the config's model")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the Ray instance")
+    add_app_arguments(parser, "cpu-disagg")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0)
