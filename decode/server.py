@@ -394,9 +394,9 @@ class DecodeServer:
         stats.update(self.planner.snapshot())  # breakers, prefill_decisions
         if self.receiver is not None:  # blocks of ended transfers still fenced, quarantined
             stats["kv_transfers"] = self.receiver.transfer_counts()
-            endpoint_stats = getattr(self.receiver, "endpoint_stats", None)
-            if endpoint_stats is not None:  # socket backends: peers refused, by reason
-                stats["kv_endpoint"] = endpoint_stats()
+            endpoint = self.receiver.endpoint_stats()
+            if endpoint is not None:  # socket backends: peers refused, by reason
+                stats["kv_endpoint"] = endpoint
         return stats
 
     async def record_routing_stats(self) -> dict[str, Any]:

@@ -358,6 +358,11 @@ class KVReceiver(ClosesOnExit):
     def num_layers_received(self, request_id: str) -> int:
         """How many layers have landed so far (for progress and layer-wise decode)."""
 
+    def endpoint_stats(self) -> dict[str, int] | None:
+        """Connections open now and peers cut off, by reason (replica stats); None for a
+        backend without a network endpoint (`local`). Never blocks."""
+        return None
+
     @abc.abstractmethod
     def transfer_counts(self) -> dict[str, int]:
         """`num_open`, `num_fenced` and `num_quarantined` transfers (replica stats); never
