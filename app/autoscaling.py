@@ -10,26 +10,43 @@ policy about every 100 ms:
 
 - **prefill** (`prefill_demand`): predicted queue wait = queued prompt tokens / (replicas x
   measured prefill tokens/s) must stay under `queue_wait_fraction x ttft_slo_ms`; a TTFT p90
-  over the SLO adds a replica.
+  over the SLO adds a replica while the queue is past the hysteresis band.
 - **decode** (`decode_demand`): KV blocks in use over `target_kv_usage` of the pool's blocks
-  (and, if set, running sequences over `target_running_seqs` per replica); an ITL p90 over
-  `tpot_slo_ms`, or requests queued for admission, adds a replica.
+  (and, if set, running sequences over `target_running_seqs` per replica); requests queued
+  for admission, or an ITL p90 over `tpot_slo_ms` while that load is past the hysteresis
+  band, add a replica.
 
 Hysteresis: the pool grows as soon as demand exceeds its replicas, but shrinks (one replica
 at a time) only when the remaining replicas would be loaded at most `downscale_utilization`
-of target and latency is that far under its SLO. Cool-downs count from Serve's own record of
-the last scale-up / scale-down, so a decision that Serve's delay holds back is not lost.
+of target and nothing breaches. Latency counts only under load: over its SLO while the load
+signal is inside that band, it is a slow or cold replica (a fresh replica's first requests,
+a busy machine), which another replica would not fix, so it neither adds nor keeps one.
+Cool-downs count from Serve's own record of the last scale-up / scale-down, so a decision
+that Serve's delay holds back is not lost.
+
+Every decision to change the replica count is logged once (on the Serve controller's log,
+`SCALING_EVENT` then JSON: pool, current and desired count, the `signal` that drove it and
+the metric values), until the decision changes; `pdserve bench autoscale` reads these.
+Cold-start artefacts are kept out of the signals where they are made (`engine/signals.py`:
+latency percentiles and the measured rate need several samples).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 ReplicaSignals = Mapping[str, float]  # one replica's averaged signals, by name
+
+# A child of Serve's logger: inside the controller (where policies run) it lands in the
+# controller's log file (`logs/serve/controller_<pid>.log`).
+logger = logging.getLogger("ray.serve.pdserve.autoscaling")
+SCALING_EVENT = "pdserve-scaling-decision"  # marks a decision's log line (then its JSON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,43 +71,83 @@ class Demand:
 
     replicas: float  # replicas that would bring the load signal to its target
     breached: bool  # latency over its SLO (or work queued unadmitted): at least one more
-    calm: bool  # latency well under its SLO: removing a replica is allowed
+    calm: bool  # no breach and nothing queued unadmitted: removing a replica is allowed
+    load_signal: str = ""  # the signal `replicas` comes from (the largest demand)
+    breach_signal: str | None = None  # the signal over its SLO when `breached`
+    values: Mapping[str, float] = field(default_factory=dict)  # the inputs, for the record
+
+    def signal(self, current: int, desired: int) -> str:
+        """The signal that drove a change from `current` to `desired` replicas: the load
+        signal when its demand alone asks for more (or fits fewer), else the breach."""
+        if desired > current and math.ceil(self.replicas - 1e-9) <= current:
+            return self.breach_signal or self.load_signal
+        return self.load_signal
+
+
+def _loaded(needed: float, num_replicas: int, knobs: PolicyKnobs) -> bool:
+    """Whether the load signal is past the hysteresis band (`downscale_utilization` of
+    target per replica). Only then does a latency breach count: latency over its SLO with no
+    load to share out is a slow or cold replica (its first requests), not a missing one."""
+    return needed > knobs.downscale_utilization * num_replicas
 
 
 def prefill_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> Demand:
     """Replicas that keep the predicted queue wait under `queue_wait_fraction` of the TTFT
-    SLO. The rate is the median measured tokens/s (the configured guess until measured)."""
+    SLO. The rate is the median measured tokens/s (the configured guess until measured). A
+    TTFT p90 over the SLO is a breach while the queue is past the hysteresis band."""
     queued = sum(r.get("queued_prompt_tokens", 0.0) for r in replicas)
     measured = [r["prefill_tokens_per_s"] for r in replicas if r.get("prefill_tokens_per_s")]
     rate = statistics.median(measured) if measured else knobs.prefill_tokens_per_s
     wait_budget_s = knobs.queue_wait_fraction * knobs.ttft_slo_ms / 1000
+    needed = queued / (rate * wait_budget_s)
     ttft_ms = max((r.get("ttft_p90_ms", 0.0) for r in replicas), default=0.0)
+    breached = ttft_ms > knobs.ttft_slo_ms and _loaded(needed, len(replicas), knobs)
     return Demand(
-        replicas=queued / (rate * wait_budget_s),
-        breached=ttft_ms > knobs.ttft_slo_ms,
-        calm=ttft_ms <= knobs.downscale_utilization * knobs.ttft_slo_ms,
+        replicas=needed,
+        breached=breached,
+        calm=not breached,
+        load_signal="queue_wait",
+        breach_signal="ttft_p90" if breached else None,
+        values={
+            "queued_prompt_tokens": queued,
+            "prefill_tokens_per_s": rate,
+            "predicted_wait_ms": queued / (rate * max(len(replicas), 1)) * 1000,
+            "ttft_p90_ms": ttft_ms,
+        },
     )
 
 
 def decode_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> Demand:
     """Replicas that hold the KV in use at `target_kv_usage` (and the running sequences at
-    `target_running_seqs` each, if set); ITL p90 over the TPOT SLO, or on average a request
-    or more per replica queued for admission, is a breach."""
+    `target_running_seqs` each, if set). A breach: on average a request or more per replica
+    queued for admission, or ITL p90 over the TPOT SLO while that load is past the hysteresis
+    band."""
     if not replicas:
         return Demand(replicas=0.0, breached=False, calm=True)
     used = sum(r.get("kv_blocks_used", 0.0) for r in replicas)
     total = sum(r.get("kv_blocks_total", 0.0) for r in replicas)
     blocks_per_replica = total / len(replicas)
     needed = used / (blocks_per_replica * knobs.target_kv_usage) if blocks_per_replica else 0.0
-    if knobs.target_running_seqs is not None:
-        running = sum(r.get("num_running", 0.0) for r in replicas)
-        needed = max(needed, running / knobs.target_running_seqs)
+    load_signal = "kv_usage"
+    running = sum(r.get("num_running", 0.0) for r in replicas)
+    if knobs.target_running_seqs is not None and running / knobs.target_running_seqs > needed:
+        needed, load_signal = running / knobs.target_running_seqs, "running_seqs"
     itl_ms = max(r.get("itl_p90_ms", 0.0) for r in replicas)
     waiting = sum(r.get("num_waiting", 0.0) for r in replicas) / len(replicas)
+    slow = itl_ms > knobs.tpot_slo_ms and _loaded(needed, len(replicas), knobs)
+    breach_signal = "waiting" if waiting >= 1.0 else "itl_p90" if slow else None
     return Demand(
         replicas=needed,
-        breached=itl_ms > knobs.tpot_slo_ms or waiting >= 1.0,
-        calm=itl_ms <= knobs.downscale_utilization * knobs.tpot_slo_ms and waiting < 0.5,
+        breached=breach_signal is not None,
+        calm=not slow and waiting < 0.5,
+        load_signal=load_signal,
+        breach_signal=breach_signal,
+        values={
+            "kv_usage": used / total if total else 0.0,
+            "num_running": running,
+            "num_waiting": waiting,
+            "itl_p90_ms": itl_ms,
+        },
     )
 
 
@@ -165,7 +222,28 @@ class _PoolPolicy:
             max_replicas=ctx.capacity_adjusted_max_replicas,
         )
         state = {**ctx.policy_state, "demand_replicas": demand.replicas}
+        decision = None
+        if desired != current:
+            decision = [desired, demand.signal(current, desired)]
+            if decision != ctx.policy_state.get("decision"):
+                logger.info("%s %s", SCALING_EVENT, json.dumps(event(ctx, desired, demand)))
+        state["decision"] = decision
         return desired, state
+
+
+def event(ctx: Any, desired: int, demand: Demand) -> dict[str, Any]:
+    """The record of one scaling decision (`ctx`: the `AutoscalingContext` it was made in)."""
+    current = ctx.target_num_replicas
+    return {
+        "time": ctx.current_time,
+        "app": ctx.app_name,
+        "pool": ctx.deployment_name,
+        "current": current,
+        "desired": desired,
+        "signal": demand.signal(current, desired),
+        "demand_replicas": round(demand.replicas, 3),
+        **{name: round(value, 3) for name, value in demand.values.items()},
+    }
 
 
 class PrefillPolicy(_PoolPolicy):

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 BENCHMARKS = {
+    "accuracy": "bench.accuracy",
     "engine": "bench.engine",
     "transfer": "bench.transfer",
     "itl": "bench.itl",
@@ -20,6 +21,7 @@ BENCHMARKS = {
     "compare": "bench.compare",
     "chaos": "bench.chaos",
     "autoscale": "bench.autoscale",
+    "overload": "bench.overload",
 }
 
 
@@ -40,7 +42,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         EngineConfig(
             model_dir=args.model,
             dtype=args.dtype,
-            cache=CacheConfig(kv_cache_bytes=args.kv_cache_mb * 1024 * 1024),
+            cache=CacheConfig(
+                kv_cache_bytes=args.kv_cache_mb * 1024 * 1024, kv_cache_dtype=args.kv_cache_dtype
+            ),
+            quantization=args.quantization,
+            num_threads=args.num_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     params = SamplingParams(
@@ -52,7 +59,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    outputs = engine.generate(args.prompt, params, progress=sys.stderr.isatty())
+    try:
+        outputs = engine.generate(args.prompt, params, progress=sys.stderr.isatty())
+    finally:
+        engine.close()
     if args.json:
         print(json.dumps({"outputs": [o.to_dict() for o in outputs]}))
     else:
@@ -66,6 +76,13 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
     module = importlib.import_module(BENCHMARKS[args.which])
     return int(module.main(rest) or 0)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--kv-cache-mb", type=int, default=256)
+    gen.add_argument(
+        "--quantization", default=None, choices=["fp8"], help="fp8: FP8 weights, per-channel"
+    )
+    gen.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: FP8 KV cache"
+    )
+    gen.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="ranks (CPU worker processes, or GPUs) the model is sharded over",
+    )
+    gen.add_argument(
+        "--num-threads", type=_positive_int, default=None, help="torch threads per rank"
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
     bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)", add_help=False)

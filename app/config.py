@@ -21,6 +21,7 @@ from app.admission.config import AdmissionSettings, IngressSettings, check_tenan
 from app.admission.overload_config import OverloadSettings
 from app.config_pools import AutoscalingSettings, PoolConfig
 from app.config_sections import (
+    AdaptivePrefillSettings,
     ConfigError,
     EngineOverrides,
     HttpSettings,
@@ -35,6 +36,7 @@ from app.observability.config import ObservabilitySettings
 from engine.config import EngineConfig
 
 __all__ = [
+    "AdaptivePrefillSettings",
     "AutoscalingSettings",
     "ConfigError",
     "EngineOverrides",
@@ -64,6 +66,11 @@ class PDServeConfig(_Strict):
         ge=0,
         description="Prompts shorter than this are prefilled on the decode replica; 0 = never. "
         "Above limits.max_prompt_tokens: colocated, no prefill pool.",
+    )
+    adaptive_prefill: AdaptivePrefillSettings = Field(
+        default_factory=AdaptivePrefillSettings,
+        description="Adaptive disaggregation: prompts at or above local_prefill_threshold are "
+        "prefilled on the decode replica while the prefill pool's predicted wait is longer.",
     )
     tenants: list[TenantConfig] = Field(
         default_factory=list, description='Empty = no auth: one anonymous tenant "".'
@@ -121,12 +128,22 @@ class PDServeConfig(_Strict):
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine config of `pool`'s replicas: `model` with the pool's size overrides
-        (model, dtype and block size are shared, so every pool's KV layout agrees)."""
-        return self.model.to_engine_config(pool.engine)
+        (model, dtype and block size are shared, so every pool's KV layout agrees); a
+        fallback pool's own `model` instead."""
+        return self.model_settings(pool).to_engine_config(pool.engine)
+
+    def model_settings(self, pool: PoolConfig) -> ModelSettings:
+        """The model `pool` runs: its own (a fallback pool) or the top-level `model`."""
+        return pool.model if pool.model is not None else self.model
 
     def pools_by_role(self, role: Literal["prefill", "decode"]) -> list[PoolConfig]:
-        """The pools of one role, in config order."""
+        """The pools of one role, in config order (the fallback pool among the decode ones)."""
         return [pool for pool in self.pools if pool.role == role]
+
+    @property
+    def fallback_pool(self) -> PoolConfig | None:
+        """The pool marked `fallback`, if any (at most one)."""
+        return next((pool for pool in self.pools if pool.fallback), None)
 
     @model_validator(mode="after")
     def _check_pools(self) -> PDServeConfig:
@@ -134,26 +151,33 @@ class PDServeConfig(_Strict):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
-        if not self.pools_by_role("decode"):
-            raise ValueError("at least one pool must have role 'decode'")
+        if not [pool for pool in self.pools_by_role("decode") if not pool.fallback]:
+            raise ValueError("at least one pool must have role 'decode' (and not be the fallback)")
+        fallbacks = [pool.name for pool in self.pools if pool.fallback]
+        if len(fallbacks) > 1:
+            raise ValueError(
+                f"at most one pool may set fallback: true (got {', '.join(fallbacks)}); the "
+                "fallback pool serves the degradable classes of every primary pool"
+            )
         self.observability.check_pools(set(names))
         if self.transfer.backend == "nccl" and self.model.device != "cuda":
             raise ValueError("transfer.backend 'nccl' requires model.device 'cuda'")
         for pool in self.pools:
             batched = pool.engine.max_num_batched_tokens
-            if batched is not None and batched < self.model.long_prefill_token_threshold:
+            chunk = self.model_settings(pool).long_prefill_token_threshold
+            if batched is not None and batched < chunk:
                 raise ValueError(
                     f"pool {pool.name!r}: engine.max_num_batched_tokens ({batched}) < "
-                    f"model.long_prefill_token_threshold "
-                    f"({self.model.long_prefill_token_threshold}): a prefill chunk has to fit "
-                    "in one step's token budget"
+                    f"model.long_prefill_token_threshold ({chunk}): a prefill chunk has to "
+                    "fit in one step's token budget"
                 )
-        if self.model.device == "cuda":
-            no_gpu = [pool.name for pool in self.pools if pool.num_gpus <= 0]
-            if no_gpu:
-                raise ValueError(
-                    f"model.device is 'cuda' but pools {', '.join(no_gpu)} set num_gpus 0"
-                )
+        no_gpu = [
+            pool.name
+            for pool in self.pools
+            if self.model_settings(pool).device == "cuda" and pool.num_gpus <= 0
+        ]
+        if no_gpu:
+            raise ValueError(f"model.device is 'cuda' but pools {', '.join(no_gpu)} set num_gpus 0")
         self._check_coverage()
         return self
 
@@ -192,6 +216,16 @@ class PDServeConfig(_Strict):
             )
 
     @model_validator(mode="after")
+    def _check_degradable(self) -> PDServeConfig:
+        degradable = [c.name for c in self.admission.classes if c.degradable]
+        if degradable and self.fallback_pool is None:
+            raise ValueError(
+                f"admission.classes {', '.join(degradable)} are degradable, but no pool sets "
+                "fallback: true to serve them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_class_timeouts(self) -> PDServeConfig:
         known = {c.name for c in self.admission.classes}
         unknown = sorted(set(self.overload.class_timeouts_s) - known)
@@ -200,6 +234,25 @@ class PDServeConfig(_Strict):
                 f"overload.class_timeouts_s names unknown SLO class(es) {', '.join(unknown)} "
                 f"(admission.classes: {', '.join(sorted(known)) or 'none'})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> PDServeConfig:
+        for pool in self.pools:
+            model = self.model_settings(pool)
+            size = model.tensor_parallel_size
+            if size == 1 or model.device != "cuda":
+                continue
+            if pool.num_gpus < size:
+                raise ValueError(
+                    f"pool {pool.name!r}: a replica with tensor_parallel_size {size} owns "
+                    f"{size} GPUs; set num_gpus to {size} (got {pool.num_gpus})"
+                )
+            if self.pools_by_role("prefill"):
+                raise ValueError(
+                    "tensor_parallel_size > 1 on cuda is colocated only for now: moving KV "
+                    "from GPU ranks needs per-rank transfer endpoints (docs/architecture.md)"
+                )
         return self
 
     @model_validator(mode="after")
@@ -240,9 +293,12 @@ class PDServeConfig(_Strict):
                     f"tenant {tenant.name!r}: allowed_pools names unknown pool(s) "
                     f"{', '.join(unknown)} (pools: {', '.join(sorted(pool_names))})"
                 )
-            roles = {pool.role for pool in self.allowed_pools(tenant.name)}
+            roles = {pool.role for pool in self.allowed_pools(tenant.name) if not pool.fallback}
             if "decode" not in roles:
-                raise ValueError(f"tenant {tenant.name!r}: allowed_pools has no decode pool")
+                raise ValueError(
+                    f"tenant {tenant.name!r}: allowed_pools has no decode pool (the fallback "
+                    "pool serves only when a primary one is overloaded)"
+                )
             if "prefill" not in roles and not self.colocated:
                 raise ValueError(f"tenant {tenant.name!r}: allowed_pools has no prefill pool")
         check_tenant_classes(self.admission, self.tenants)

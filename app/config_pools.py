@@ -7,11 +7,12 @@ assembles them into `PDServeConfig`.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, field_validator, model_validator
 
-from app.config_sections import NAME_PATTERN, EngineOverrides, _Strict
+from app.config_sections import NAME_PATTERN, EngineOverrides, ModelSettings, _Strict
 
 _RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
@@ -70,7 +71,8 @@ class AutoscalingSettings(_Strict):
         gt=0,
         lt=1,
         description="Hysteresis: remove a replica only when the others would be loaded at most "
-        "this fraction of target and latency (TTFT, ITL) is under this fraction of its SLO.",
+        "this fraction of target; a latency (TTFT, ITL) over its SLO counts only while the "
+        "load is above this fraction of target per replica.",
     )
     upscale_cooldown_s: float = Field(
         default=10.0, ge=0, description="Seconds after a scale-up before scaling up again."
@@ -169,6 +171,24 @@ class PoolConfig(_Strict):
         default_factory=EngineOverrides,
         description="Engine sizes of this pool's replicas where they differ from `model`.",
     )
+    fallback: bool = Field(
+        default=False,
+        description="Decode only: the fallback pool, which serves requests of `degradable` "
+        "SLO classes when the primary pools are overloaded (never chosen otherwise). It runs "
+        "its own `model` and prefills every prompt itself (no KV from the prefill pools).",
+    )
+    model: ModelSettings | None = Field(
+        default=None,
+        description="Fallback pools only (and required there): the pool's own model and "
+        "engine settings, in place of the top-level `model`.",
+    )
+    cpu_affinity: list[int] | None = Field(
+        default=None,
+        min_length=1,
+        description="Core ids this pool's replicas run on (os.sched_setaffinity of the replica "
+        "process and its torch threads, applied as the replica starts); the pool's replicas "
+        "share them. None = wherever the OS schedules them.",
+    )
     drain_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -181,6 +201,22 @@ class PoolConfig(_Strict):
         description="Seconds between a draining replica's checks for unfinished requests "
         "(Serve's graceful_shutdown_wait_loop_s).",
     )
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _check_cpu_affinity(cls, value: list[int] | None) -> list[int] | None:
+        if value is None:
+            return None
+        num_cores = os.cpu_count() or 1
+        unknown = sorted({core for core in value if not 0 <= core < num_cores})
+        if unknown:
+            raise ValueError(
+                f"cpu_affinity {value}: core ids {unknown} do not exist on this host "
+                f"(its cores are 0-{num_cores - 1})"
+            )
+        if len(set(value)) != len(value):
+            raise ValueError(f"cpu_affinity {value} names a core more than once")
+        return value
 
     @field_validator("resources")
     @classmethod
@@ -200,6 +236,16 @@ class PoolConfig(_Strict):
             raise ValueError(
                 f"decode pool {self.name!r}: min_context_tokens/max_context_tokens apply to "
                 "prefill pools only"
+            )
+        if self.fallback and (self.role != "decode" or self.model is None):
+            raise ValueError(
+                f"fallback pool {self.name!r} must have role 'decode' and its own `model` "
+                "(it prefills locally with that model)"
+            )
+        if self.model is not None and not self.fallback:
+            raise ValueError(
+                f"pool {self.name!r}: only a fallback pool (fallback: true) has its own "
+                "`model`; other pools share the top-level `model` so their KV layouts agree"
             )
         if self.context_range[0] > self.context_range[1]:
             raise ValueError(

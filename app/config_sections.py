@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from app.admission.config import TenantQuota
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.quantization import check_fp8_options
 
 NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
 
@@ -50,6 +51,17 @@ class EngineOverrides(_Strict):
     num_threads: int | None = Field(
         default=None, ge=1, description="Torch threads per replica of this pool."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tensor_parallel(cls, data: object) -> object:
+        if isinstance(data, dict) and "tensor_parallel_size" in data:
+            raise ValueError(
+                "tensor_parallel_size is set once, in `model`, not per pool: prefill and "
+                "decode pools must use the same TP size (the KV shard of prefill rank i "
+                "moves to decode rank i)"
+            )
+        return data
 
     def set_fields(self) -> dict[str, int]:
         """The overrides given (field -> value), without the unset ones."""
@@ -89,6 +101,26 @@ class ModelSettings(_Strict):
         default=True, description="Reuse KV of shared prompt prefixes."
     )
     num_threads: int | None = Field(default=None, ge=1, description="Torch threads per replica.")
+    quantization: Literal["fp8"] | None = Field(
+        default=None,
+        description="fp8: decoder projections in float8_e4m3fn with per-output-channel scales "
+        "(quantized at load, or an FP8 checkpoint's own); embedding, norms and LM head stay "
+        "in dtype. null: as the checkpoint is stored (an FP8 checkpoint loads as fp8).",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto",
+        description="KV cache storage: auto = dtype; fp8 = float8_e4m3fn with a static scale "
+        "per KV head (the checkpoint's k_scale/v_scale, else 1.0): half of bf16's bytes, "
+        "in the cache and on the wire. Every pool uses the same, so KV moves as it is.",
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranks one replica shards the model over (Megatron-style, KV split by "
+        "KV head): GPUs on cuda (set each pool's num_gpus to it), worker processes on cpu. "
+        "Shared by every pool, so KV moves from prefill rank i to decode rank i.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelSettings:
@@ -100,6 +132,13 @@ class ModelSettings(_Strict):
                 f"<= max_num_batched_tokens ({self.max_num_batched_tokens}): a prefill chunk "
                 "has to fit in one step's token budget"
             )
+        check_fp8_options(
+            self.quantization,
+            self.kv_cache_dtype,
+            self.dtype,
+            self.device,
+            self.tensor_parallel_size,
+        )
         if self.served_model_name is None:
             self.served_model_name = "pdserve-" + PurePath(self.model.rstrip("/")).name
         return self
@@ -116,6 +155,7 @@ class ModelSettings(_Strict):
                 block_size=self.block_size,
                 kv_cache_bytes=sizes.kv_cache_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=sizes.max_num_batched_tokens,
@@ -123,15 +163,31 @@ class ModelSettings(_Strict):
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             num_threads=sizes.num_threads,
+            tensor_parallel_size=self.tensor_parallel_size,
+            quantization=self.quantization,
         )
 
 
 class TransferSettings(_Strict):
     """How KV blocks move from prefill to decode replicas."""
 
-    backend: Literal["shm", "tcp", "nccl", "local"] = Field(
-        default="shm",
-        description="shm: same host; tcp: across hosts; nccl: GPU; local: in-process.",
+    backend: Literal["shm", "tcp", "nccl"] = Field(
+        default="shm", description="shm: same host; tcp: across hosts; nccl: GPU."
+    )
+    bind_host: str = Field(
+        default="0.0.0.0",
+        description="tcp/nccl: the IP address decode replicas listen on for KV (0.0.0.0: all).",
+    )
+    advertise_host: str | None = Field(
+        default=None,
+        min_length=1,
+        description="tcp/nccl: the address prefill replicas reach a decode replica at; "
+        "default: bind_host, or the node's IP from Ray when bind_host is a wildcard.",
+    )
+    source_host: str | None = Field(
+        default=None,
+        description="tcp: the local IP address prefill replicas' KV connections leave from "
+        "(default: the system's choice).",
     )
     deadline_s: float = Field(
         default=30.0,
@@ -139,6 +195,23 @@ class TransferSettings(_Strict):
         description="Seconds a decode replica waits for a request's KV before failing it.",
     )
     checksum: bool = Field(default=False, description="Checksum blocks to detect corruption.")
+
+    @field_validator("bind_host", "source_host")
+    @classmethod
+    def _ip_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address") from None
+        return value
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _reachable(cls, value: str | None) -> str | None:
+        if value in ("0.0.0.0", "::"):
+            raise ValueError("advertise_host must be an address peers can connect to")
+        return value
 
 
 def _check_inline_keys(value: list[str]) -> list[str]:
@@ -260,3 +333,57 @@ class HttpSettings(_Strict):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:  # a host name: assume it is reachable from elsewhere
             return False
+
+
+class AdaptivePrefillSettings(_Strict):
+    """Adaptive disaggregation (`app/admission/adaptive.py`): a prompt the static rule sends
+    to a prefill pool is prefilled on its decode replica instead while that is cheaper."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Compare the prefill pool's predicted wait with the cost of prefilling on "
+        "the decode replica, per request at or above local_prefill_threshold; off = the "
+        "static threshold alone decides.",
+    )
+    margin: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Hysteresis: go local when the predicted remote wait exceeds the local "
+        "cost x (1 + margin), back to remote once it is no longer than the local cost; in "
+        "between a (prefill pool, decode pool) pair keeps its last choice.",
+    )
+    min_gain_s: float = Field(
+        default=0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="Go local only when that is predicted to save at least this many seconds "
+        "of TTFT (no local prefill, which stalls decoding, for a saving within the noise).",
+    )
+    local_cost_factor: float = Field(
+        default=1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A local prefill's compute time is charged this many times more when the "
+        "decode replica has running sequences (they stall while the prompt is computed); "
+        "0 = count only the new request's wait.",
+    )
+    max_local_prompt_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="Longer prompts always go to their prefill pool (too long a stall for "
+        "the decode replica's running sequences).",
+    )
+    max_age_s: float = Field(
+        default=5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Pool load older than this counts as missing: the static rule decides.",
+    )
+    borrow_prefill_rate: bool = Field(
+        default=False,
+        description="Until a decode replica has measured its own prefill rate (from prompts "
+        "it prefilled itself), assume the prefill pool's measured rate (both run the same "
+        "model); off = the static rule decides until it has.",
+    )

@@ -25,9 +25,18 @@ from typing import Any, TypeVar
 from opentelemetry import trace
 from ray.exceptions import RayActorError
 
+from app.admission.adaptive import AdaptivePrefill
 from app.admission.classes import ClassResolver, ServiceClass
 from app.admission.controller import Admission, decode_pool_blocks, tenant_quotas
 from app.admission.deadlines import Deadline
+from app.admission.fallback import (
+    TRIGGER_BACKPRESSURE,
+    TRIGGER_SHED,
+    FallbackPolicy,
+    Served,
+    fallback_model_config,
+    is_backpressure,
+)
 from app.admission.overload import OverloadGuard
 from app.config import PDServeConfig
 from app.errors import (
@@ -76,6 +85,8 @@ class PreparedRequest:
     service_class: ServiceClass = ServiceClass("default", 0)
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
     trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C carrier
+    # Set when the fallback pool serves it (`app/admission/fallback.py`); shared by copies.
+    served: Served = dataclasses.field(default_factory=Served)
 
 
 class Frontend:
@@ -97,16 +108,22 @@ class Frontend:
             [c.priority for c in config.admission.classes],
         )
         self.policy = RouterPolicy(config)
+        # Adaptive disaggregation weighs the prefill pools' load against the decode pools'.
+        self.adaptive = AdaptivePrefill(config.adaptive_prefill, self.overload.monitor.snapshot)
+        if config.adaptive_prefill.enabled and prefill_handles:
+            self.overload.monitor.watch({**decode_handles, **prefill_handles})
         self.classes = ClassResolver(config.admission, config.tenants)
         model_dir = str(resolve_model_dir(config.model.model))
         self.tokenizer = load_tokenizer(model_dir)
         self.model_config = load_model_config(model_dir, config.model.dtype)
+        fallback_config = fallback_model_config(config)
+        self.fallback = FallbackPolicy.from_config(config, fallback_config)
         self.admission = Admission(
             config.admission,
             tenant_quotas(config.tenants),
             quota_service,
             block_size=config.model.block_size,
-            kv_pool_blocks=decode_pool_blocks(config, self.model_config),
+            kv_pool_blocks=decode_pool_blocks(config, self.model_config, fallback_config),
         )
         self.prompts = PromptTokenizer(self.tokenizer, self.model_config.vocab_size)
         # One thread: tokenizing a large prompt takes about a second per megabyte of CPU, and
@@ -194,6 +211,9 @@ class Frontend:
         except BadRequestError as exc:  # empty or too long
             exc.param = exc.param or prompt_param
             raise
+        # Adaptive disaggregation (`app/admission/adaptive.py`): before shedding, so a prompt
+        # the prefill pool would be late for is prefilled locally rather than refused.
+        route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
         self.check_params(params)
         overflow = context_overflow(
             len(prompt_token_ids), params.max_tokens, self.model_config.max_model_len
@@ -224,10 +244,10 @@ class Frontend:
             deadline=deadline,
             trace_context=carrier_for(trace.get_current_span()),
         )
-        route_span(
-            started_ns, tenant, service_class.name, prepared.route, len(prompt_token_ids)
-        )
         if shed.shed:
+            prepared = self.fallback.move(prepared, TRIGGER_SHED) or prepared
+        route_span(started_ns, tenant, service_class.name, prepared.route, len(prompt_token_ids))
+        if shed.shed and prepared.served.fallback is None:
             self._record(prepared, shed="overloaded")
             labels = RequestMetrics.labels(
                 tenant, service_class.name, route.prefill_pool, route.decode_pool
@@ -235,6 +255,10 @@ class Frontend:
             self.metrics.shed(labels, "overloaded", 503)
             raise self.overload.shed_error(shed, route.reason)
         return prepared
+
+    def served_model(self, prepared: PreparedRequest) -> str:
+        """The model name the request's response carries (the fallback's, if it served)."""
+        return prepared.served.model_name(self.model_name)
 
     # ---- running ---------------------------------------------------------------------
 
@@ -277,9 +301,8 @@ class Frontend:
         self.in_flight[prepared.tenant] += 1
         self._record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(prepared, i, queue)) for i in range(prepared.n)]
-        # At the deadline a 504 error joins the queue; the finally then cancels every choice.
-        timer = self.overload.deadline_timer(prepared.deadline, queue)
+        tasks, timer = self._start(prepared, queue)
+        started = False  # a delta was passed on: too late to move to the fallback pool
         try:
             remaining = prepared.n
             while remaining:
@@ -287,8 +310,24 @@ class Frontend:
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, BaseException):
-                    raise item
+                    fallback = None
+                    if not started and is_backpressure(item):
+                        fallback = self.fallback.move(prepared, TRIGGER_BACKPRESSURE)
+                    if fallback is None:
+                        raise item
+                    # The decode pool's queue is full: every choice starts over on the
+                    # fallback pool, on a fresh queue (the old one may get late items).
+                    _cancel(tasks, timer)
+                    prepared = fallback
+                    recorder.labels.update(
+                        prefill_pool="local", decode_pool=fallback.route.decode_pool
+                    )
+                    self._record(prepared)
+                    queue = asyncio.Queue()
+                    tasks, timer = self._start(prepared, queue)
+                    remaining = prepared.n
                 else:
+                    started = True
                     admitted.on_output(len(item[1].new_token_ids))
                     recorder.on_delta(*item)
                     telemetry.on_delta(*item)
@@ -303,12 +342,17 @@ class Frontend:
         finally:
             recorder.finish(status)
             telemetry.finish(status)
-            if timer is not None:
-                timer.cancel()
-            for task in tasks:
-                task.cancel()  # a client that went away cancels every choice on both pools
+            _cancel(tasks, timer)  # a client that went away cancels every choice on both pools
             self.in_flight[prepared.tenant] -= 1
             admitted.release()
+
+    def _start(
+        self, prepared: PreparedRequest, queue: asyncio.Queue
+    ) -> tuple[list[asyncio.Task[None]], asyncio.TimerHandle | None]:
+        """Start every choice's stream into `queue`; at the deadline a 504 error joins it
+        (the caller then cancels every choice)."""
+        tasks = [asyncio.create_task(self._pump(prepared, i, queue)) for i in range(prepared.n)]
+        return tasks, self.overload.deadline_timer(prepared.deadline, queue)
 
     def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:
         """Start the request's metrics (labels: tenant, class, pools; its class's targets)."""
@@ -355,14 +399,21 @@ class Frontend:
                 InternalServerError("generation failed for this request", code="request_failed")
             )
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller
-            # Serve's BackPressureError (the decode pool's max_queued_requests): a clean 503.
-            queue.put_nowait(self.overload.backpressure(exc) or exc)
+            # Serve's BackPressureError (the decode pool's max_queued_requests): a clean 503,
+            # caused by it (`run` may then move the request to the fallback pool).
+            error = self.overload.backpressure(exc)
+            if error is not None:
+                error.__cause__ = exc
+            queue.put_nowait(error or exc)
 
     def _record(self, prepared: PreparedRequest, shed: str | None = None) -> None:
         """Count and keep the routing decision (`shed`: why it was refused, if it was)."""
         route = prepared.route
         pool = "local" if route.local_prefill else route.prefill_pool
         key = f"{prepared.tenant}|{pool}|{route.decode_pool}"
+        fallback = prepared.served.fallback
+        if fallback is not None:
+            key += f"|fallback:{fallback.trigger}"
         self.route_counts[f"{key}|shed:{shed}" if shed else key] += 1
         self.recent_routes.append(
             {
@@ -372,8 +423,16 @@ class Frontend:
                 "time": time.time(),
                 **asdict(route),
                 **({"shed": shed} if shed else {}),
+                **({"fallback": fallback.trigger} if fallback is not None else {}),
             }
         )
 
     def routing_report(self) -> dict[str, Any]:
         return {"counts": dict(self.route_counts), "recent": list(self.recent_routes)}
+
+
+def _cancel(tasks: list[asyncio.Task[None]], timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
+    for task in tasks:
+        task.cancel()

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.admission.classes import requested_class
 from app.admission.deadlines import requested_timeout
+from app.admission.fallback import FALLBACK_HEADER, MODEL_HEADER
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
@@ -148,14 +149,10 @@ class Ingress:
         stream: bool,
         include_usage: bool,
     ) -> Response:
-        headers = {
-            "x-pdserve-route": prepared.route.reason,
-            "x-pdserve-slo-class": prepared.service_class.name,
-            "x-pdserve-ingress": self.replica_name,
-        }
         if not stream:
             async for index, delta in self.frontend.run(prepared):
                 builder.add(index, delta)
+            headers = self._headers(prepared, builder)
             return JSONResponse(builder.build().model_dump(mode="json"), headers=headers)
         # Wait for the first delta before answering, so an early error (quota, a pool
         # that is down) is a real 4xx/5xx status rather than an in-band SSE error.
@@ -164,6 +161,7 @@ class Ingress:
             first = await anext(events)
         except StopAsyncIteration:
             first = None
+        headers = self._headers(prepared, builder)  # the first delta settled the pool
 
         async def rest() -> AsyncIterator[tuple[int, Any]]:
             if first is not None:
@@ -187,6 +185,24 @@ class Ingress:
             yield SSE_DONE
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
+
+    def _headers(
+        self, prepared: PreparedRequest, builder: CompletionBuilder | ChatBuilder
+    ) -> dict[str, str]:
+        """The response's headers; a request the fallback pool served says so (and its
+        body's `model` names the fallback's model: set on `builder` here)."""
+        headers = {
+            "x-pdserve-route": prepared.route.reason,
+            "x-pdserve-slo-class": prepared.service_class.name,
+            "x-pdserve-ingress": self.replica_name,
+        }
+        served = prepared.served
+        if served.fallback is not None and served.route is not None:
+            builder.model = self.frontend.served_model(prepared)
+            headers[FALLBACK_HEADER] = served.route.decode_pool
+            headers[MODEL_HEADER] = builder.model
+            headers["x-pdserve-route"] = served.route.reason
+        return headers
 
     # ---- OpenAI routes ---------------------------------------------------------------
 
@@ -405,7 +421,8 @@ class Ingress:
             timeout_s=request.timeout,
         )
         async for _, delta in self.frontend.run(prepared):
-            yield GenerateChunk.from_delta(delta, prepared.route.reason)
+            route = prepared.served.route or prepared.route  # the fallback's, if it served
+            yield GenerateChunk.from_delta(delta, route.reason)
 
     async def routing_report(self) -> dict[str, Any]:
         return self.frontend.routing_report()

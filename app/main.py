@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.admission.controller import tenant_quotas
+from app.admission.fallback import check_fallback_model
 from app.admission.quota_service import QUOTA_SERVICE_OPTIONS, QuotaService
 from app.config import PDServeConfig, PoolConfig, load_config
 from app.ingress import Ingress
@@ -43,6 +44,7 @@ ROUTER_CONFIG = RequestRouterConfig(
 
 
 INGRESS_MAX_QUEUED_REQUESTS = 2000
+_KV_NAMESPACE = "pdserve"  # Ray internal KV namespace of the apps' KV-transfer secrets
 
 
 def _deployment(cls: type) -> Any:
@@ -58,6 +60,25 @@ def _options(pool: PoolConfig) -> dict[str, Any]:
     }
 
 
+def kv_secret(app_name: str) -> str:
+    """The KV-transfer secret of the app `app_name` on the connected Ray cluster: random,
+    created once and kept in the cluster's internal KV store (where Serve keeps the replicas'
+    init args, which carry it anyway), so the replicas of a redeploy and the old ones still
+    draining prove the same secret. Never logged, never in the config. Without a connected
+    Ray (`serve run module:build_app` builds before it connects): a fresh one per build."""
+    import ray
+    from ray.experimental import internal_kv
+
+    fresh = secrets.token_hex(32)
+    if not ray.is_initialized():
+        return fresh
+    key = f"kv-secret/{app_name}"
+    # Create-if-absent is atomic in the GCS: concurrent builds agree on the first one stored.
+    internal_kv._internal_kv_put(key, fresh, overwrite=False, namespace=_KV_NAMESPACE)
+    stored = internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)
+    return stored.decode() if stored else fresh
+
+
 def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Application:
     """The whole pdserve application for `args` (a PDServeConfig or its dict)."""
     config = args if isinstance(args, PDServeConfig) else load_config(dict(args or DEFAULT_ARGS))
@@ -66,12 +87,18 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     config.resolve_tenant_keys()
     config.resolve_admin_keys()
     check_exporter(config.observability.tracing)
+    check_fallback_model(config)  # it loads and shares the primary model's vocabulary
     # Each replica sets up its process's tracing from this (partial pickles by reference).
     telemetry = partial(configure_tracing, config.observability.tracing)
-    # One secret per build, shared by every replica of this app: a KV endpoint only talks to
-    # peers that prove they hold it (HMAC handshake), never to another app or a stray client.
-    options = TransferOptions(checksum=config.transfer.checksum, secret=secrets.token_hex(32))
+    # One secret per app, shared by every replica of it: a KV endpoint only talks to peers
+    # that prove they hold it (HMAC handshake), never to another app or a stray client.
+    options = TransferOptions(checksum=config.transfer.checksum, secret=kv_secret(config.app_name))
     backend = config.transfer.backend
+    # tcp/nccl: where decode replicas listen; a wildcard advertises each node's own IP.
+    receiver_endpoint = {
+        "host": config.transfer.bind_host,
+        "advertise_host": config.transfer.advertise_host,
+    }
     prefill = {
         pool.name: _deployment(PrefillServer)
         .options(**_options(pool))
@@ -82,6 +109,8 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
             pool=pool.name,
             observers=(replica_metrics_factory(config, pool),),
             telemetry=telemetry,
+            cpu_affinity=pool.cpu_affinity,
+            source_host=config.transfer.source_host,
         )
         for pool in config.pools_by_role("prefill")
     }
@@ -94,10 +123,13 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
             options,
             deadline_s=config.transfer.deadline_s,
             breaker=config.overload.breaker.to_settings(),
-            prefill_pools=prefill,
+            # The fallback pool runs its own model: it prefills every prompt itself.
+            prefill_pools={} if pool.fallback else prefill,
             pool=pool.name,
             observers=(replica_metrics_factory(config, pool),),
             telemetry=telemetry,
+            cpu_affinity=pool.cpu_affinity,
+            receiver_endpoint=receiver_endpoint,
         )
         for pool in config.pools_by_role("decode")
     }

@@ -9,7 +9,8 @@ Rules, in order:
 1. Unknown tenant -> `UnknownTenantError` (401); authentication comes first.
 2. An empty prompt -> `BadRequestError` (400); `num_prompt_tokens > limits.max_prompt_tokens`
    -> `PromptTooLongError` (400 `context_length_exceeded`, as OpenAI answers).
-3. Decode pool: the first decode pool, in config order, that the tenant may use.
+3. Decode pool: the first decode pool, in config order, that the tenant may use; never the
+   fallback pool (`app/admission/fallback.py` moves overloaded requests there).
 4. `num_prompt_tokens < local_prefill_threshold` -> no prefill pool: the decode replica
    prefills the prompt itself (`local_prefill=True`).
 5. Otherwise the *primary* prefill pool is the first pool, in config order, whose context
@@ -83,7 +84,7 @@ class RouterPolicy:
 
     def _tenant_routes(self, tenant: str) -> _TenantRoutes:
         allowed = self._config.allowed_pools(tenant)
-        decode = [pool.name for pool in allowed if pool.role == "decode"]
+        decode = [pool.name for pool in allowed if pool.role == "decode" and not pool.fallback]
         assert decode, "config validation guarantees every tenant a decode pool"
         entry = self._tenants.get(tenant)
         return _TenantRoutes(

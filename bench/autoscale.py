@@ -1,18 +1,26 @@
-"""`pdserve bench autoscale`: a load ramp (low -> 4x -> low) against an autoscaling config.
+"""`pdserve bench autoscale`: a load ramp that stresses each pool's own signal in turn.
 
 The config (`configs/<name>.yaml`, default `cpu-autoscale`) is deployed on a private Ray
-instance (`bench.serve_app`). Requests (streamed greedy completions of `--prompt-tokens`
-prompt tokens and `--max-tokens` output tokens) arrive as a Poisson process whose rate
-follows the ramp: `--low-s` at `--rate`, `--ramp-s` up to `--peak` x the rate, `--peak-s`
-there, `--ramp-s` down, `--low-s` at `--rate` again. Every `--sample-s` the running replicas
-of each pool are read from Serve; after the load, the pools get `--settle-s` to scale back
-to their minimum. Every request that did not complete (HTTP error, error event, cut stream,
-timeout) counts as `failed`: the goal is 0, as scaling (starting, draining, stopping
-replicas) must never fail a request.
+instance (`bench.serve_app`). Requests arrive as a Poisson process whose rate and shape follow
+the ramp (`bench.autoscale_load.stress_ramp`): `--low-s` at `--rate` of the base requests
+(`--prompt-tokens`, `--max-tokens`); then for each of `--stress` (default: prefill, then
+decode) `--ramp-s` up to `--peak` x the rate, `--peak-s` there and `--ramp-s` down, with that
+pool's stressing requests (prefill: `--long-prompt-tokens` prompts with `--short-output-tokens`
+outputs, so the prefill queue grows; decode: `--short-prompt-tokens` prompts with
+`--long-output-tokens` outputs, so running sequences and KV grow), each followed by `--low-s`
+of base load. Every `--sample-s` the RUNNING replicas of each pool are read from Serve; after
+the load the pools get `--settle-s` to scale back to their minimum.
 
-Prints a timeline (offered rate, replicas per pool, TTFT/TPOT p50/p90 per window) and the
-summary; writes JSON (`max_replicas` and `final_replicas` per pool, `failed`, the timeline,
-every request) and a plot beside it (`.png`).
+The pools' policies log each scaling decision with the signal that drove it and its metric
+values (`app.autoscaling`); the bench reads them from the Serve controller's log, pairs each
+replica change with its decision and gives a verdict per pool (`bench.autoscale_report`).
+Every request that did not complete (HTTP error, error event, cut stream, timeout) counts as
+`failed`: the goal is 0, as scaling (starting, draining, stopping replicas) must never fail a
+request.
+
+Prints the timeline, the replica changes with their signals and the summary; writes JSON
+(`max_replicas` and `final_replicas` per pool, `failed`, `verdict`, the scaling decisions,
+the load average, the timeline, every request) and a plot beside it (`.png`).
 
     pdserve bench autoscale --config cpu-autoscale --json out.json
 """
@@ -23,116 +31,28 @@ import argparse
 import asyncio
 import json
 import logging
-import random
+import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from bench.autoscale_load import Ramp, Record, Shape, arrival_times, request_body, send, stress_ramp
+from bench.autoscale_report import (
+    attribute,
+    human,
+    plot,
+    replica_changes,
+    scaling_events,
+    timeline,
+    verdict,
+)
 from bench.metrics import finite_or_none, percentile
 from bench.serve_app import RunningApp, add_app_arguments, app_args, free_port, running_app
-
-
-@dataclass(frozen=True, slots=True)
-class Ramp:
-    """Offered load over time: low, ramp up to `peak` x, hold, ramp down, low."""
-
-    rate: float  # requests/s at low load
-    peak: float
-    low_s: float
-    ramp_s: float
-    peak_s: float
-
-    @property
-    def duration_s(self) -> float:
-        return 2 * self.low_s + 2 * self.ramp_s + self.peak_s
-
-    def rate_at(self, t: float) -> float:
-        """Requests/s at `t` seconds from the start (0 after the end)."""
-        high = self.rate * self.peak
-        up_end = self.low_s + self.ramp_s
-        down_start = up_end + self.peak_s
-        if t < 0 or t >= self.duration_s:
-            return 0.0
-        if t < self.low_s:
-            return self.rate
-        if t < up_end:
-            return self.rate + (high - self.rate) * (t - self.low_s) / self.ramp_s
-        if t < down_start:
-            return high
-        if t < down_start + self.ramp_s:
-            return high - (high - self.rate) * (t - down_start) / self.ramp_s
-        return self.rate
-
-
-@dataclass(slots=True)
-class Record:
-    """One request: when it was sent (s from the start) and how it ended."""
-
-    sent_s: float
-    end_s: float = 0.0
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    num_tokens: int = 0
-    ok: bool = False
-    error: str | None = None
-
-
-def arrival_times(ramp: Ramp, seed: int) -> list[float]:
-    """Poisson arrivals following `ramp.rate_at` (thinning of a peak-rate process)."""
-    rng = random.Random(seed)
-    peak_rate = ramp.rate * max(ramp.peak, 1.0)
-    times, t = [], 0.0
-    while True:
-        t += rng.expovariate(peak_rate)
-        if t >= ramp.duration_s:
-            return times
-        if rng.random() < ramp.rate_at(t) / peak_rate:
-            times.append(t)
-
-
-async def send(
-    client: httpx.AsyncClient, body: dict[str, Any], record: Record, start: float, timeout_s: float
-) -> None:
-    """Stream one completion into `record`."""
-    first: float | None = None
-    sent = time.monotonic()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    record.error = (
-                        f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                    )
-                    return
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line.removeprefix("data: ")
-                    if data == "[DONE]":
-                        record.ok = record.error is None
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        record.error = str(event["error"].get("message"))[:200]
-                    if any(c.get("text") for c in event.get("choices") or []):
-                        first = first or time.monotonic()
-                        record.num_tokens += 1
-                else:
-                    record.error = "stream ended without [DONE]"
-    except (TimeoutError, httpx.HTTPError, json.JSONDecodeError) as exc:
-        record.error = repr(exc)[:200]
-    finally:
-        end = time.monotonic()
-        record.end_s = end - start
-        if first is not None:
-            record.ttft_s = first - sent
-            if record.num_tokens > 1:
-                record.tpot_s = (end - first) / (record.num_tokens - 1)
 
 
 def running_replicas(app_name: str, pools: Sequence[str]) -> dict[str, int]:
@@ -151,38 +71,54 @@ def running_replicas(app_name: str, pools: Sequence[str]) -> dict[str, int]:
     return counts
 
 
+def controller_log_lines() -> list[str]:
+    """The lines of this Ray instance's Serve controller logs (where policies log)."""
+    import ray._private.worker as worker
+
+    node = worker._global_node
+    if node is None:
+        return []
+    lines: list[str] = []
+    for path in sorted(Path(node.get_logs_dir_path(), "serve").glob("controller_*.log")):
+        lines += path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return lines
+
+
 class Bench:
     """Runs the ramp against `app` while sampling each pool's replicas."""
 
-    def __init__(self, app: RunningApp, app_name: str, pools: list[str], args: argparse.Namespace):
-        self.app, self.app_name, self.pools, self.args = app, app_name, pools, args
-        self.ramp = Ramp(args.rate, args.peak, args.low_s, args.ramp_s, args.peak_s)
+    def __init__(
+        self, app: RunningApp, app_name: str, pools: list[str], ramp: Ramp, args: argparse.Namespace
+    ):
+        self.app, self.app_name, self.pools, self.ramp, self.args = app, app_name, pools, ramp, args
         self.records: list[Record] = []
         self.samples: list[dict[str, Any]] = []
-        self.start = 0.0
+        self.start = 0.0  # monotonic
+        self.wall_start = 0.0  # time.time(), the clock of the policies' decisions
 
     async def run(self) -> None:
-        self.start = time.monotonic()
-        body = {
-            "model": self.app.model_name,
-            "prompt": "x" * self.args.prompt_tokens,  # byte-level tokenizer: 1 token each
-            "max_tokens": self.args.max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
+        self.start, self.wall_start = time.monotonic(), time.time()
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        async with httpx.AsyncClient(base_url=self.app.base_url, limits=limits) as client:
+        # `send` bounds each whole request by --request-timeout; no shorter per-read limit.
+        timeout = httpx.Timeout(self.args.request_timeout)
+        async with httpx.AsyncClient(
+            base_url=self.app.base_url, limits=limits, timeout=timeout
+        ) as client:
             sampler = asyncio.create_task(self._sample_until(None))
             tasks = []
-            for at in arrival_times(self.ramp, self.args.seed):
+            for index, at in enumerate(arrival_times(self.ramp, self.args.seed)):
                 await asyncio.sleep(max(0.0, self.start + at - time.monotonic()))
-                record = Record(sent_s=time.monotonic() - self.start)
-                self.records.append(record)
-                tasks.append(
-                    asyncio.create_task(
-                        send(client, body, record, self.start, self.args.request_timeout)
-                    )
+                found = self.ramp.phase_at(at)
+                assert found is not None  # arrivals lie inside the ramp
+                phase = found[0]
+                shape = phase.shape
+                record = Record(
+                    time.monotonic() - self.start, phase.name, shape.prompt_tokens, shape.max_tokens
                 )
+                self.records.append(record)
+                body = request_body(self.app.model_name, shape, index)
+                timeout_s = self.args.request_timeout
+                tasks.append(asyncio.create_task(send(client, body, record, self.start, timeout_s)))
             await asyncio.gather(*tasks)
             if sampler.done():
                 sampler.result()  # the sampler failed: raise its error
@@ -198,99 +134,45 @@ class Bench:
         while True:
             counts = await asyncio.to_thread(running_replicas, self.app_name, self.pools)
             now = time.monotonic() - self.start
-            self.samples.append({"t_s": now, "rate": self.ramp.rate_at(now), **counts})
+            self.samples.append(
+                {"t_s": now, "rate": self.ramp.rate_at(now), "load1": os.getloadavg()[0], **counts}
+            )
             if done is not None and (done(counts) or time.monotonic() > deadline):
                 return
             await asyncio.sleep(self.args.sample_s)
 
 
-def timeline(bench: Bench, window_s: float) -> list[dict[str, Any]]:
-    """Per window: offered rate, most replicas per pool, TTFT/TPOT p50/p90 (ms) of requests
-    sent in it."""
-    end = max([s["t_s"] for s in bench.samples] + [r.end_s for r in bench.records] + [0.0])
-    rows = []
-    t = 0.0
-    while t < end:
-        sent = [r for r in bench.records if t <= r.sent_s < t + window_s and r.ok]
-        samples = [s for s in bench.samples if t <= s["t_s"] < t + window_s]
-        row: dict[str, Any] = {"t_s": t, "rate": bench.ramp.rate_at(t + window_s / 2)}
-        for pool in bench.pools:
-            row[pool] = max((s[pool] for s in samples), default=None)
-        for name, values in (
-            ("ttft", [r.ttft_s for r in sent if r.ttft_s is not None]),
-            ("tpot", [r.tpot_s for r in sent if r.tpot_s is not None]),
-        ):
-            for p in (50, 90):
-                row[f"{name}_p{p}_ms"] = percentile(values, p) * 1000 if values else None
-        rows.append(row)
-        t += window_s
-    return rows
-
-
-def plot(bench: Bench, rows: list[dict[str, Any]], path: Path) -> str:
-    """Replicas per pool and offered rate over time, above TTFT/TPOT p90 per window."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    times = [s["t_s"] for s in bench.samples]
-    for pool in bench.pools:
-        top.step(times, [s[pool] for s in bench.samples], where="post", label=f"{pool} replicas")
-    top.set_ylabel("replicas")
-    rate_axis = top.twinx()
-    rate_axis.plot(times, [s["rate"] for s in bench.samples], color="gray", ls=":", label="rate")
-    rate_axis.set_ylabel("offered requests/s")
-    top.legend(loc="upper left")
-    mids = [row["t_s"] for row in rows]
-    for key in ("ttft_p90_ms", "tpot_p90_ms", "ttft_p50_ms", "tpot_p50_ms"):
-        bottom.plot(mids, [row[key] for row in rows], marker=".", label=key)
-    bottom.set_yscale("log")
-    bottom.set_xlabel("seconds from start")
-    bottom.set_ylabel("ms")
-    bottom.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return str(path)
-
-
-def summarize(bench: Bench) -> dict[str, Any]:
-    """`max_replicas` / `final_replicas` per pool, `failed` and the latency overall."""
+def summarize(bench: Bench, roles: dict[str, str], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """`max_replicas` / `final_replicas` per pool, `failed`, the replica changes with their
+    signals, the verdict, the latency overall and the machine's load."""
     final = bench.samples[-1] if bench.samples else {}
     failed = [r for r in bench.records if not r.ok]
     ok = [r for r in bench.records if r.ok]
+    pools = bench.pools
+    max_replicas = {p: max((s[p] for s in bench.samples), default=0) for p in pools}
+    final_replicas = {p: final.get(p, 0) for p in pools}
+    scaled = attribute(replica_changes(bench.samples, pools), events, bench.ramp)
+    loads = [s["load1"] for s in bench.samples]
     return {
         "requests": len(bench.records),
         "failed": len(failed),
         "failures": sorted({r.error or "?" for r in failed})[:20],
-        "max_replicas": {p: max((s[p] for s in bench.samples), default=0) for p in bench.pools},
-        "final_replicas": {p: final.get(p, 0) for p in bench.pools},
+        "max_replicas": max_replicas,
+        "final_replicas": final_replicas,
         "min_replicas": bench.args.min_replicas,
+        "verdict": verdict(scaled, roles, bench.args.min_replicas, final_replicas, bench.ramp),
+        "replica_changes": scaled,
         "ttft_p90_ms": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 90) * 1000,
         "tpot_p90_ms": percentile([r.tpot_s for r in ok if r.tpot_s is not None], 90) * 1000,
+        "load_average": {
+            "cpus": os.cpu_count(),
+            "mean": sum(loads) / len(loads) if loads else None,
+            "max": max(loads, default=None),
+        },
     }
 
 
-def human(summary: dict[str, Any], rows: list[dict[str, Any]], pools: list[str]) -> str:
-    def cell(value: Any) -> str:
-        return "-" if value is None else f"{value:.0f}" if isinstance(value, float) else str(value)
-
-    header = ["t_s", "rate", *pools, "ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"]
-    lines = ["  ".join(f"{h:>9}" for h in header)]
-    for row in rows:
-        values = [row["t_s"], f"{row['rate']:.1f}", *(row[p] for p in pools)]
-        values += [row[k] for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")]
-        lines.append("  ".join(f"{cell(v):>9}" for v in values))
-    lines.append(
-        f"requests {summary['requests']}, failed {summary['failed']}; replicas max "
-        f"{summary['max_replicas']}, final {summary['final_replicas']}"
-    )
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="pdserve bench autoscale",
         description=__doc__,
@@ -299,18 +181,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_app_arguments(parser, "cpu-autoscale")
     parser.add_argument("--rate", type=float, default=1.0, help="low load, requests/s")
     parser.add_argument("--peak", type=float, default=4.0, help="peak load = rate x this")
-    parser.add_argument("--low-s", type=float, default=30.0, help="seconds at low load, each end")
-    parser.add_argument("--ramp-s", type=float, default=20.0, help="seconds of each ramp")
-    parser.add_argument("--peak-s", type=float, default=60.0, help="seconds at peak load")
-    parser.add_argument("--prompt-tokens", type=int, default=400)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--low-s", type=float, default=30.0, help="seconds of each low phase")
+    parser.add_argument("--ramp-s", type=float, default=10.0, help="seconds of each ramp")
+    parser.add_argument("--peak-s", type=float, default=60.0, help="seconds of each peak")
+    parser.add_argument(
+        "--stress",
+        default="prefill,decode",
+        help="pool roles to stress, in order (comma-separated: prefill, decode)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="base requests")
+    parser.add_argument("--max-tokens", type=int, default=32, help="base requests")
+    parser.add_argument("--long-prompt-tokens", type=int, default=1536, help="prefill stress")
+    parser.add_argument("--short-output-tokens", type=int, default=4, help="prefill stress")
+    parser.add_argument("--short-prompt-tokens", type=int, default=48, help="decode stress")
+    parser.add_argument("--long-output-tokens", type=int, default=96, help="decode stress")
     parser.add_argument("--sample-s", type=float, default=1.0, help="replica sampling period")
-    parser.add_argument("--settle-s", type=float, default=120.0, help="wait for scale-down")
+    parser.add_argument("--settle-s", type=float, default=90.0, help="wait for scale-down")
     parser.add_argument("--window-s", type=float, default=10.0, help="timeline window")
-    parser.add_argument("--request-timeout", type=float, default=120.0)
+    parser.add_argument("--request-timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, required=True, help="write the result here")
     args = parser.parse_args(argv)
+    roles = [r.strip() for r in args.stress.split(",") if r.strip()]
+    if not set(roles) <= {"prefill", "decode"}:
+        parser.error(f"--stress: roles are prefill and decode, got {args.stress!r}")
+    args.stress_roles = roles
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
     from app.config import load_config
@@ -318,27 +218,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_args = app_args(args.config, args.model, args.dtype, free_port())
     config = load_config(config_args)
     pools = [pool.name for pool in config.pools]
+    roles = {pool.name: pool.role for pool in config.pools}
     args.min_replicas = {
         pool.name: pool.autoscaling.min_replicas if pool.autoscaling else pool.num_replicas
         for pool in config.pools
     }
+    stressing = {
+        "prefill": Shape(args.long_prompt_tokens, args.short_output_tokens),
+        "decode": Shape(args.short_prompt_tokens, args.long_output_tokens),
+    }
+    ramp = stress_ramp(
+        args.rate,
+        args.peak,
+        args.low_s,
+        args.ramp_s,
+        args.peak_s,
+        Shape(args.prompt_tokens, args.max_tokens),
+        {role: stressing[role] for role in args.stress_roles},
+    )
+    load_before = os.getloadavg()
     with running_app(config_args, args.num_cpus) as app:
-        bench = Bench(app, config.app_name, pools, args)
+        bench = Bench(app, config.app_name, pools, ramp, args)
         asyncio.run(bench.run())
-    rows = timeline(bench, args.window_s)
-    summary = {"config": args.config, "model": app.model_name, **summarize(bench)}
+        events = scaling_events(controller_log_lines(), config.app_name, bench.wall_start)
+    rows = timeline(ramp, bench.records, bench.samples, pools, args.window_s)
+    summary = {"config": args.config, "model": app.model_name, **summarize(bench, roles, events)}
+    summary["load_average"]["before"] = load_before[0]
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    summary["plot"] = plot(bench, rows, args.json.with_suffix(".png"))
+    summary["plot"] = plot(
+        ramp, bench.samples, summary["replica_changes"], rows, pools, args.json.with_suffix(".png")
+    )
     document = {
         **summary,
-        "ramp": asdict(bench.ramp),
+        "ramp": [asdict(p) for p in ramp.phases],
+        "scaling_decisions": events,
         "timeline": rows,
         "samples": bench.samples,
         "records": [asdict(r) for r in bench.records],
     }
     args.json.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
     print(human(summary, rows, pools), file=sys.stderr)
-    print(json.dumps(finite_or_none(summary)))
+    brief = {k: v for k, v in summary.items() if k != "replica_changes"}
+    print(json.dumps(finite_or_none(brief)))
     return 0
 
 

@@ -1,25 +1,38 @@
-"""`pdserve bench compare`: goodput of several configs, deployed in turn on this machine.
+"""`pdserve bench compare`: goodput of several configs on this machine, with intervals.
 
-Each config (`configs/<name>.yaml`) runs on its own private Ray instance with the same CPUs
-(`--num-cpus`, default 2), the same model (`--model`, default the built-in `small`) and dtype
-(`--dtype`, default float32). For each: a few isolated requests (one at a time) measure the
-unloaded TTFT/TPOT of every workload class, then the goodput sweep of `bench goodput` runs
-the same rate points. `ratio` is the first config's goodput over the baseline's (the last
-config): `--configs cpu-disagg,cpu-colocated` gives disagg / colocated. Goodput is also
-reported per core (goodput / `--num-cpus`; both configs use the same cores, so the ratio is
-the same either way).
+Configs (`--configs a,b,c`, any number ≥ 2; the last is the baseline) run in turn, seed by
+seed: for each of `--seeds` seeds, every config is deployed on its own private Ray instance
+(`--num-cpus`, default 2; model `--model`, default the built-in `small`; `--dtype`), then
 
-SLOs: given with `--slo-ttft/--slo-tpot` (ms), or (each one not given) derived from the
-baseline's isolated requests: TTFT SLO = `--k-ttft` (3) x the worst class's isolated TTFT (the
-longest prompt), TPOT SLO = `--k-tpot` (1.5, tight) x the best class's isolated TPOT (batch-1
-decode). The JSON records the SLOs and how they were chosen.
+1. the host's load average and each workload class's isolated TTFT/TPOT (requests one at a
+   time, median of `--isolated-repeats`) are recorded;
+2. the knee search (`bench/knee.py`) probes rates from `--rate-start` (later seeds start at
+   0.75x the config's mean goodput so far): doubling until attainment < `--target`, then
+   bisecting to `--tolerance`, at most `--max-points` points, each exactly
+   `--requests-per-point` requests (default 100) with a Wilson interval on its attainment;
+3. isolated TTFT/TPOT and the load average again: a run whose isolated figures moved by more
+   than `--drift-threshold` (relative) is marked `noisy` (`--exclude-noisy` leaves noisy runs
+   out of the aggregates while a quiet one remains).
 
-PNG plots beside the JSON (or in `--plots-dir`): attainment vs rate, and TTFT, TPOT and ITL
-CDFs at a common rate (`--cdf-rate`, or the highest rate all configs ran at which at least one
-still met the target). `--replot` redraws the plots of an existing `--json` without running.
+Seeds fix the requests (contents and arrival pattern): at one seed every config and every
+rate sees the same requests. `--replica-cores 0-3` pins the configs' pools to those cores
+(`cpu_affinity`, split among pools by replica count) and this process, with the Ray
+processes it starts (proxy, ingress, controller), to the host's other cores.
 
-    pdserve bench compare --configs cpu-disagg,cpu-colocated --model small --workload mixed \
-        --rates 0.1,0.2,0.3,0.4 --duration 45 --json docs/bench/compare.json
+SLOs: `--slo-ttft/--slo-tpot` (ms), or derived from the baseline's first isolated requests:
+shared (fixed, mixed, chat, long-context): TTFT = `--k-ttft` x the slowest class's isolated
+TTFT, TPOT = `--k-tpot` x the fastest class's TPOT. Per class (multi-tenant): each class
+`--k-ttft`/`--k-tpot` x its own isolated figures, the batch class `--batch-slo-factor` x
+looser; a point's attainment is then the lowest class's.
+
+The JSON holds per config the mean goodput with spread and interval, `ratio` (first config /
+baseline) with `ratio_ci` (low, high), `ratios` of every config to the baseline, every run
+(host state, drift, points with records). PNGs beside it (or in `--plots-dir`): attainment vs
+rate with bands, goodput per config, TTFT/TPOT/ITL CDFs; `--replot` redraws them.
+
+    pdserve bench compare --configs cpu-disagg,cpu-colocated --workload mixed --seeds 3 \
+        --short-input-len 64 --short-output-len 32 --long-input-min 512 \
+        --long-input-max 1024 --long-output-len 16 --json docs/bench/compare-mixed.json
 """
 
 from __future__ import annotations
@@ -28,42 +41,39 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.goodput import add_sweep_args, goodput_report, parse_rates, point_runner, sweep
-from bench.loadgen import Target, run_load_sync
-from bench.metrics import SLO, RequestRecord, finite_or_none
+from tqdm import tqdm
+
+from bench import compare_report, quiet
+from bench.goodput import add_sweep_args
+from bench.knee import find_knee
+from bench.loadgen import RunResult, Target, run_load_sync, run_report
+from bench.metrics import SLO, finite_or_none, meets_slo
 from bench.serve_app import app_args, free_port, running_app
+from bench.stats import wilson_interval
 from bench.workloads import (
-    FixedWorkload,
+    PER_CLASS_SLO,
     ScheduledRequest,
     add_workload_args,
+    class_shapes,
     describe_workload,
     requests_from_args,
 )
 
-
-def isolated_specs(args: argparse.Namespace) -> list[FixedWorkload]:
-    """One fixed shape per workload class: the nominal short turn and the longest prompt."""
-    if args.workload == "fixed":
-        return [FixedWorkload(args.input_len, args.output_len, args.special_tokens)]
-    short = FixedWorkload(args.short_input_len, args.short_output_len, args.special_tokens)
-    if args.long_share <= 0:
-        return [short]
-    long = FixedWorkload(args.long_input_max, args.long_output_len, args.special_tokens)
-    return [short, long]
+SloPlan = dict[str, SLO]  # by class label
+Slos = tuple[SloPlan, SLO | None, str]  # every class's SLO, the shared one (if so), how
 
 
-def measure_isolated(target: Target, args: argparse.Namespace) -> dict[str, Any]:
+def measure_isolated(target: Target, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Median TTFT/TPOT (ms) of each class, requests sent one at a time (no contention)."""
     import numpy as np
 
-    rng = np.random.default_rng(args.seed + 1)
+    rng = np.random.default_rng(seed + 1)
     out: dict[str, Any] = {}
-    for shape in isolated_specs(args):
-        name = f"{shape.input_len}in/{shape.output_len}out"
+    for label, shape in class_shapes(args).items():
         requests = [
             ScheduledRequest(i, 0.0, shape.sample(rng)) for i in range(args.isolated_repeats)
         ]
@@ -71,7 +81,7 @@ def measure_isolated(target: Target, args: argparse.Namespace) -> dict[str, Any]
         done = [r for r in result.records if r.success]
         ttfts = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
         tpots = [r.tpot_s * 1000 for r in done if r.tpot_s is not None]
-        out[name] = {
+        out[label] = {
             "input_len": shape.input_len,
             "output_len": shape.output_len,
             "num_requests": len(done),
@@ -81,8 +91,8 @@ def measure_isolated(target: Target, args: argparse.Namespace) -> dict[str, Any]
     return out
 
 
-def derive_slo(isolated: dict[str, Any], k_ttft: float, k_tpot: float) -> tuple[SLO, str]:
-    """SLOs from isolated measurements, and a sentence saying how."""
+def derive_slo(isolated: Mapping[str, Any], k_ttft: float, k_tpot: float) -> tuple[SLO, str]:
+    """One shared SLO from isolated measurements, and a sentence saying how."""
     ttfts = [c["ttft_ms"] for c in isolated.values() if c["ttft_ms"] is not None]
     tpots = [c["tpot_ms"] for c in isolated.values() if c["tpot_ms"] is not None]
     if not ttfts or not tpots:
@@ -95,197 +105,257 @@ def derive_slo(isolated: dict[str, Any], k_ttft: float, k_tpot: float) -> tuple[
     return slo, how
 
 
-def common_rate(points: dict[str, list[dict[str, Any]]], target: float) -> float:
-    """The rate the CDFs compare at: the highest rate every config ran at which at least one
-    config still met the target (where the configs differ), else the lowest common rate."""
-    shared = sorted(set.intersection(*({p["rate"] for p in pts} for pts in points.values())))
-    if not shared:
-        return min(p["rate"] for pts in points.values() for p in pts)
-    passing = [r for r in shared if any(_attainment(pts, r) >= target for pts in points.values())]
-    return max(passing) if passing else shared[0]
+def plan_slos(args: argparse.Namespace, isolated: Mapping[str, Any]) -> Slos:
+    """Every class's SLO (and the shared one, if shared): given values win, the rest derived."""
+    labels = list(class_shapes(args))
+    given = SLO(args.slo_ttft, args.slo_tpot)
+    if args.workload not in PER_CLASS_SLO:
+        how = "given on the command line"
+        slo = given
+        if given.ttft_ms is None or given.tpot_ms is None:
+            derived, how = derive_slo(isolated, args.k_ttft, args.k_tpot)
+            slo = SLO(
+                given.ttft_ms if given.ttft_ms is not None else derived.ttft_ms,
+                given.tpot_ms if given.tpot_ms is not None else derived.tpot_ms,
+            )
+        return {label: slo for label in labels}, slo, how
+    plan: SloPlan = {}
+    for i, label in enumerate(labels):
+        factor = 1.0 if i == 0 else args.batch_slo_factor
+        c = isolated[label]
+        if c["ttft_ms"] is None or c["tpot_ms"] is None:
+            raise RuntimeError(f"isolated {label} requests failed, cannot derive SLOs: {c}")
+        ttft = given.ttft_ms if given.ttft_ms is not None else args.k_ttft * c["ttft_ms"]
+        tpot = given.tpot_ms if given.tpot_ms is not None else args.k_tpot * c["tpot_ms"]
+        plan[label] = SLO(round(factor * ttft, 1), round(factor * tpot, 1))
+    how = (
+        f"per class: TTFT {args.k_ttft} x and TPOT {args.k_tpot} x the class's isolated figures "
+        f"(or the given SLOs), the classes after the first {args.batch_slo_factor} x looser"
+    )
+    return plan, None, how
 
 
-def _attainment(points: list[dict[str, Any]], rate: float) -> float:
-    return next(p["attainment"] for p in points if p["rate"] == rate)
+def point(
+    result: RunResult,
+    plan: SloPlan,
+    shared: SLO | None,
+    target: Target | None,
+    confidence: float,
+) -> dict[str, Any]:
+    """One rate point's report (with the server's side if `target`) and per-class counts;
+    `attainment` is the lowest class's share (with a shared SLO: all requests, one class)."""
+    report = run_report(result, shared or SLO(), target)
+    records = result.records
+    groups = {"all": records} if shared else {k: [r for r in records if r.label == k] for k in plan}
+    classes: dict[str, Any] = {}
+    for label, group in groups.items():
+        met = sum(meets_slo(r, plan[r.label]) for r in group)
+        ci = wilson_interval(met, len(group), confidence) if group else (0.0, 1.0)
+        classes[label] = {"met": met, "n": len(group), "share": met / max(1, len(group))}
+        classes[label]["ci"] = list(ci)
+    worst = min(classes.values(), key=lambda c: c["share"] if c["n"] else 2.0)
+    return {
+        "attainment": worst["share"],
+        "attainment_ci": worst["ci"],
+        "num_requests": len(records),
+        "classes": classes,
+        **report,
+    }
 
 
-def _records(points: list[dict[str, Any]], rate: float) -> list[RequestRecord]:
-    point = next((p for p in points if p["rate"] == rate), None)
-    return [] if point is None else [RequestRecord.from_dict(r) for r in point["records"]]
+def run_once(
+    name: str, seed: int, args: argparse.Namespace, slos: Slos | None, rate_start: float, bar: tqdm
+) -> tuple[dict[str, Any], Slos]:
+    """Deploy `name`, measure isolated requests, search the knee at `seed`, measure again.
+    `slos` is `(plan, shared, how)` or None (derive them here); returns the run and slos."""
+    config_args = app_args(name, args.model, args.dtype, free_port())
+    if args.replica_cores:
+        config_args = quiet.pin_pools(config_args, args.replica_cores)
+    seeded = argparse.Namespace(**{**vars(args), "seed": seed})
+    with running_app(config_args, args.num_cpus) as app:
+        target = Target(app.base_url, app.model_name, timeout_s=args.timeout)
+        host_before, iso_before = quiet.host_state(), measure_isolated(target, seeded, seed)
+        slos = slos or plan_slos(args, iso_before)
+        plan, shared, _ = slos
+        points: list[dict[str, Any]] = []
+
+        def attainment_at(rate: float) -> float:
+            bar.set_postfix_str(f"{name} seed {seed} rate {rate:.3g}")
+            requests = requests_from_args(seeded, rate, 0.0, args.requests_per_point)
+            progress = not args.no_progress
+            result = run_load_sync(target, requests, args.concurrency, 1, progress, name)
+            points.append({"rate": rate, **point(result, plan, shared, target, args.confidence)})
+            value = float(points[-1]["attainment"])
+            line = {"config": name, "seed": seed, "rate": rate, "attainment": value}
+            print(json.dumps(line), file=sys.stderr)
+            return value
+
+        search = find_knee(attainment_at, rate_start, args.target, args.tolerance, args.max_points)
+        iso_after, host_after = measure_isolated(target, seeded, seed), quiet.host_state()
+    moved = quiet.drift(iso_before, iso_after)
+    run = {
+        "config": name,
+        "seed": seed,
+        "args": config_args,
+        "rate_start": rate_start,
+        "host_before": host_before,
+        "host_after": host_after,
+        "isolated_before": iso_before,
+        "isolated_after": iso_after,
+        "drift": moved,
+        "noisy": moved is None or moved > args.drift_threshold,
+        "goodput": {
+            "goodput": search.estimate.goodput,
+            "low_rate": search.estimate.low_rate,
+            "high_rate": search.estimate.high_rate,
+            "bracketed": search.estimate.bracketed,
+            "converged": search.converged,
+        },
+        "points": points,
+    }
+    return run, slos
 
 
-def plot(
-    result: dict[str, Any], points: dict[str, list[dict[str, Any]]], out_dir: Path, stem: str
-) -> list[str]:
-    """Attainment-vs-rate and CDF PNGs; returns their paths."""
-    import matplotlib
+def run_with_retry(
+    name: str, seed: int, args: argparse.Namespace, slos: Slos | None, rate_start: float, bar: tqdm
+) -> tuple[dict[str, Any], Slos]:
+    """`run_once`, run again once if it raised (a Ray instance that did not start on a busy
+    host, a replica that died): a long comparison should not end on one transient failure."""
+    try:
+        return run_once(name, seed, args, slos, rate_start, bar)
+    except Exception as e:  # noqa: BLE001 - any failure of the deployment or the run
+        print(f"== {name} seed {seed} failed ({e!r}); running it again", file=sys.stderr)
+        import ray
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths: list[str] = []
-    slo = result["slo"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, pts in points.items():
-        line = ax.plot([p["rate"] for p in pts], [p["attainment"] for p in pts], "o-", label=name)
-        ax.axvline(result["goodput"][name], color=line[0].get_color(), ls=":", lw=1)
-    ax.axhline(result["target"], color="grey", ls="--", lw=1, label=f"target {result['target']}")
-    ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(-0.02, 1.02))
-    ax.set_title(f"TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms", fontsize=10)
-    ax.legend()
-    paths.append(_save(fig, out_dir / f"{stem}_attainment.png"))
-    rate = result["common_rate"]
-    for metric, xlabel, limit in [
-        ("ttft", "TTFT (ms)", slo["ttft_ms"]),
-        ("tpot", "TPOT (ms)", slo["tpot_ms"]),
-        ("itl", "ITL (ms)", None),
-    ]:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, pts in points.items():
-            values = sorted(_metric_ms(_records(pts, rate), metric))
-            if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], label=name)
-        if limit is not None:
-            ax.axvline(limit, color="grey", ls="--", lw=1, label="SLO")
-        ax.set(xlabel=xlabel, ylabel="CDF", xscale="log", ylim=(0, 1.01))
-        ax.set_title(f"{metric.upper()} CDF at {rate:g} req/s", fontsize=10)
-        ax.legend()
-        paths.append(_save(fig, out_dir / f"{stem}_{metric}_cdf.png"))
-    return paths
+        ray.shutdown()  # whatever a failed start left behind (a no-op if nothing)
+        return run_once(name, seed, args, slos, rate_start, bar)
 
 
-def _metric_ms(records: list[RequestRecord], metric: str) -> list[float]:
-    done = [r for r in records if r.success]
-    if metric == "itl":
-        return [gap * 1000 for r in done for gap in r.itls_s if gap > 0]
-    return [v * 1000 for r in done if (v := getattr(r, f"{metric}_s")) is not None]
+def next_start(runs: Sequence[Mapping[str, Any]], rate_start: float) -> float:
+    """Where a config's next seed starts: 0.75x its mean bracketed goodput so far."""
+    found = [r["goodput"]["goodput"] for r in runs if r["goodput"]["bracketed"]]
+    return 0.75 * statistics.fmean(found) if found and min(found) > 0 else rate_start
 
 
-def _save(fig: Any, path: Path) -> str:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
+def write(document: dict[str, Any], args: argparse.Namespace) -> None:
+    stem = args.json.with_suffix("").name
+    points = {name: rs[0]["points"] for name, rs in document["runs"].items() if rs}
+    document["common_rate"] = args.cdf_rate or compare_report.common_rate(points, args.target)
+    document["plots"] = compare_report.plot(document, args.plots_dir or args.json.parent, stem)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
 
-    plt.close(fig)
-    return str(path)
 
-
-def replot(path: Path, plots_dir: Path | None, cdf_rate: float | None) -> int:
+def replot(args: argparse.Namespace) -> int:
     """Redraw the plots of a saved comparison (optionally at another CDF rate)."""
-    document = json.loads(path.read_text())
-    points = {name: config["points"] for name, config in document["configs"].items()}
-    document["common_rate"] = cdf_rate or common_rate(points, document["target"])
-    stem = path.with_suffix("").name
-    document["plots"] = plot(document, points, plots_dir or path.parent, stem)
-    path.write_text(json.dumps(document, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in document.items() if k != "configs"}))
+    document = json.loads(args.json.read_text())
+    write(document, args)
+    print(json.dumps({k: v for k, v in document.items() if k != "runs"}))
     return 0
 
 
-def run_config(
-    name: str, args: argparse.Namespace, slo: SLO
-) -> tuple[dict[str, Any], SLO, str | None]:
-    """Deploy one config, measure isolated requests, derive the SLOs `slo` leaves unset, and
-    sweep; returns the config's results, the SLOs used, and how they were derived (if so)."""
-    config_args = app_args(name, args.model, args.dtype, free_port())
-    print(f"== {name}: starting", file=sys.stderr)
-    how = None
-    with running_app(config_args, args.num_cpus) as app:
-        target = Target(app.base_url, app.model_name, timeout_s=args.timeout)
-        isolated = measure_isolated(target, args)
-        print(json.dumps({"config": name, "isolated": isolated}), file=sys.stderr)
-        if slo.ttft_ms is None or slo.tpot_ms is None:
-            derived, how = derive_slo(isolated, args.k_ttft, args.k_tpot)
-            if slo.ttft_ms is not None or slo.tpot_ms is not None:
-                how += "; the SLO given on the command line replaces its derived value"
-            slo = SLO(
-                slo.ttft_ms if slo.ttft_ms is not None else derived.ttft_ms,
-                slo.tpot_ms if slo.tpot_ms is not None else derived.tpot_ms,
-            )
-        runner = point_runner(
-            target,
-            lambda rate: requests_from_args(args, rate, args.duration),
-            slo,
-            args.concurrency,
-            warmup=1,
-            progress=not args.no_progress,
-            label=name,
-        )
-        rates = parse_rates(args.rates)
-        results = sweep(
-            runner, rates, args.rate_start, args.max_points, args.target, args.stop_below
-        )
-    report = goodput_report(results, args.target, args.num_cpus, "cores")
-    return (
-        {"args": config_args, "isolated": isolated, "goodput": report, "points": results},
-        slo,
-        how,
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
         prog="pdserve bench compare",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    parser.add_argument("--configs", default="cpu-disagg,cpu-colocated", help="last = baseline")
-    parser.add_argument("--model", default="small", help="model dir or built-in name")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of each Ray instance")
-    parser.add_argument("--slo-ttft", type=float, default=None, help="ms; default: derived")
-    parser.add_argument("--slo-tpot", type=float, default=None, help="ms; default: derived")
-    parser.add_argument("--k-ttft", type=float, default=3.0, help="derived TTFT SLO factor")
-    parser.add_argument("--k-tpot", type=float, default=1.5, help="derived TPOT SLO factor")
-    parser.add_argument("--isolated-repeats", type=int, default=2, help="isolated runs/class")
-    parser.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--json", type=Path, required=True, help="write the result here")
-    parser.add_argument("--plots-dir", type=Path, default=None, help="default: beside --json")
-    parser.add_argument("--cdf-rate", type=float, default=None, help="rate of the CDF plots")
-    parser.add_argument("--replot", action="store_true", help="only redraw --json's plots")
-    add_sweep_args(parser)
-    add_workload_args(parser)
-    args = parser.parse_args(argv)
+    p.add_argument("--configs", default="cpu-disagg,cpu-colocated", help="last = baseline")
+    p.add_argument("--model", default="small", help="model dir or built-in name")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of each Ray instance")
+    p.add_argument("--seeds", type=int, default=3, help="runs per config (seed, seed+1, ...)")
+    p.add_argument("--requests-per-point", type=int, default=100, help="requests per rate")
+    p.add_argument("--confidence", type=float, default=0.95, help="of every interval")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--slo-ttft", type=float, default=None, help="ms; default: derived")
+    p.add_argument("--slo-tpot", type=float, default=None, help="ms; default: derived")
+    p.add_argument("--k-ttft", type=float, default=3.0, help="derived TTFT SLO factor")
+    p.add_argument("--k-tpot", type=float, default=1.5, help="derived TPOT SLO factor")
+    p.add_argument("--batch-slo-factor", type=float, default=4.0, help="multi-tenant batch")
+    p.add_argument("--isolated-repeats", type=int, default=2, help="isolated runs/class")
+    p.add_argument("--drift-threshold", type=float, default=0.25, help="noisy above this")
+    p.add_argument("--exclude-noisy", action="store_true", help="aggregate quiet runs only")
+    p.add_argument("--replica-cores", type=quiet.parse_cores, default=None, help="e.g. 0-3")
+    p.add_argument("--concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
+    p.add_argument("--no-progress", action="store_true", help="no per-point request bars")
+    p.add_argument("--json", type=Path, required=True, help="write the result here")
+    p.add_argument("--plots-dir", type=Path, default=None, help="default: beside --json")
+    p.add_argument("--cdf-rate", type=float, default=None, help="rate of the CDF plots")
+    p.add_argument("--replot", action="store_true", help="only redraw --json's plots")
+    add_sweep_args(p)
+    add_workload_args(p)
+    p.set_defaults(rate_start=0.25, max_points=10)
+    args = p.parse_args(argv)
     if args.workload == "trace":
-        parser.error("compare sweeps a rate; use --workload fixed or mixed")
-    if args.replot:
-        return replot(args.json, args.plots_dir, args.cdf_rate)
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    if len(names) < 2:
-        parser.error("--configs needs at least two configs")
-    baseline = names[-1]
+        p.error("compare sweeps a rate; use another --workload")
+    for flag in ("seeds", "requests_per_point", "max_points", "isolated_repeats", "bootstrap"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.rates:
+        p.error("compare searches the knee itself (--rate-start, --tolerance); drop --rates")
+    args.names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if len(args.names) < 2 and not args.replot:
+        p.error("--configs needs at least two configs (the last is the baseline)")
+    return args
 
-    slo = SLO(args.slo_ttft, args.slo_tpot)
-    how: str | None = "given on the command line"
-    configs: dict[str, Any] = {}
-    for name in [baseline, *names[:-1]]:  # the baseline first: it may set the SLOs
-        configs[name], slo, derived = run_config(name, args, slo)
-        how = derived or how
-    points = {name: configs[name]["points"] for name in names}
-    goodput = {name: configs[name]["goodput"]["goodput"] for name in names}
-    result: dict[str, Any] = {
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.replot:
+        return replot(args)
+    names, baseline = args.names, args.names[-1]
+    for name in names:  # a missing or invalid config fails now, not an hour in
+        app_args(name, args.model, args.dtype, free_port())
+    bench_cores = quiet.pin_bench(args.replica_cores) if args.replica_cores else None
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    slos: Slos | None = None
+    order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
+    with tqdm(total=args.seeds * len(names), desc="compare", file=sys.stderr) as bar:
+        for seed in range(args.seed, args.seed + args.seeds):
+            for name in order:
+                start = next_start(runs[name], args.rate_start)
+                run, slos = run_with_retry(name, seed, args, slos, start, bar)
+                runs[name].append(run)
+                bar.update(1)
+    assert slos is not None  # set by the first run (seeds >= 1)
+    plan, shared, how = slos
+    summary = compare_report.aggregate(
+        runs, names, args.target, args.exclude_noisy, args.bootstrap, args.confidence
+    )
+    document: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
         "num_cpus": args.num_cpus,
-        "duration_s": args.duration,
         "workload": describe_workload(args),
         "target": args.target,
-        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "how": how, "baseline": baseline},
-        "goodput": goodput,
-        "goodput_per_core": {n: configs[n]["goodput"]["goodput_per_unit"] for n in names},
-        "ratio": goodput[names[0]] / goodput[baseline] if goodput[baseline] else None,
-        "common_rate": args.cdf_rate or common_rate(points, args.target),
+        "requests_per_point": args.requests_per_point,
+        "seeds": list(range(args.seed, args.seed + args.seeds)),
+        "tolerance": args.tolerance,
+        "drift_threshold": args.drift_threshold,
+        "replica_cores": args.replica_cores,
+        "bench_cores": bench_cores,
+        "slo": {
+            "shared": None if shared is None else vars_slo(shared),
+            "classes": {label: vars_slo(slo) for label, slo in plan.items()},
+            "how": how,
+            "baseline": baseline,
+        },
+        **summary,
+        "goodput_per_core": {
+            n: None if (m := summary["goodput"][n]["mean"]) is None else m / args.num_cpus
+            for n in names
+        },
+        "runs": runs,
     }
-    stem = args.json.with_suffix("").name
-    result["plots"] = plot(result, points, args.plots_dir or args.json.parent, stem)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    document = {**result, "configs": {n: configs[n] for n in names}}
-    args.json.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
-    print(json.dumps(finite_or_none(result)))
+    write(document, args)
+    print(json.dumps(finite_or_none({k: v for k, v in document.items() if k != "runs"})))
     return 0
+
+
+def vars_slo(slo: SLO) -> dict[str, float | None]:
+    return {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
 
 
 if __name__ == "__main__":

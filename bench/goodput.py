@@ -9,8 +9,9 @@ the goodput is only a lower bound (`bracketed: false`).
 
 Rates: `--rates 0.5,1,2` runs exactly those (stopping early once attainment drops below
 `--stop-below`), or `--rate-start R --max-points N` doubles from R until a point fails and then
-bisects the bracket. Normalization: `goodput_per_unit` = goodput / `--num-units` of `--unit`
-(DistServe reports per GPU; on CPU we use cores, e.g. 2 for a `num_cpus=2` Ray instance).
+bisects the bracket until it is `--tolerance` (relative) wide (`bench/knee.py`).
+Normalization: `goodput_per_unit` = goodput / `--num-units` of `--unit` (DistServe reports
+per GPU; on CPU we use cores, e.g. 2 for a `num_cpus=2` Ray instance).
 
     pdserve bench goodput --url http://127.0.0.1:8000 --workload mixed --rates 0.5,1,2,4 \
         --duration 60 --slo-ttft 2000 --slo-tpot 100 --num-units 2 --unit cores --json g.json
@@ -22,59 +23,32 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench.knee import DEFAULT_TARGET, GoodputEstimate, find_knee, interpolate_goodput
 from bench.loadgen import Target, add_target_args, run_load_sync, run_report, target_from_args
 from bench.metrics import SLO, finite_or_none
 from bench.workloads import ScheduledRequest, add_workload_args, describe_workload
 from bench.workloads import requests_from_args as _requests_from_args
 
-DEFAULT_TARGET = 0.9
+__all__ = ["DEFAULT_TARGET", "GoodputEstimate", "interpolate_goodput", "next_rate", "sweep"]
 
-
-@dataclass(frozen=True, slots=True)
-class GoodputEstimate:
-    """The interpolated goodput and the rates that bracket it."""
-
-    goodput: float  # requests/s
-    low_rate: float  # highest rate meeting the target before the crossing (0 if none)
-    high_rate: float | None  # first rate below the target; None if no point failed
-    bracketed: bool  # False: every point met the target, goodput is a lower bound
-
-
-def interpolate_goodput(
-    points: Sequence[tuple[float, float]], target: float = DEFAULT_TARGET
-) -> GoodputEstimate:
-    """Goodput from `(rate, attainment)` points, at the first downward crossing of `target`.
-
-    Between the bracketing points `(r0, a0)` (a0 >= target) and `(r1, a1)` (a1 < target):
-    `r0 + (a0 - target) / (a0 - a1) * (r1 - r0)`. Below the lowest point, `(0, 1)` is used.
-    """
-    low_rate, low_attainment = 0.0, 1.0
-    for rate, value in sorted(points):
-        if value < target:
-            fraction = (low_attainment - target) / (low_attainment - value)
-            goodput = low_rate + fraction * (rate - low_rate)
-            return GoodputEstimate(goodput, low_rate, rate, bracketed=True)
-        low_rate, low_attainment = rate, value
-    return GoodputEstimate(low_rate, low_rate, None, bracketed=False)
+PointRunner = Callable[[float], dict[str, Any]]  # rate -> run report (with "summary")
 
 
 def next_rate(
     points: Sequence[tuple[float, float]], rate_start: float, target: float = DEFAULT_TARGET
 ) -> float:
-    """The adaptive sweep's next rate: double until a point fails, then bisect the bracket."""
+    """One step of an adaptive sweep driven from outside: `rate_start` first, then double
+    until a point fails, then bisect the bracket (`find_knee` runs the whole search)."""
     if not points:
         return rate_start
     estimate = interpolate_goodput(points, target)
     if estimate.high_rate is None:
         return max(rate for rate, _ in points) * 2
     return (estimate.low_rate + estimate.high_rate) / 2
-
-
-PointRunner = Callable[[float], dict[str, Any]]  # rate -> run report (with "summary")
 
 
 def sweep(
@@ -84,23 +58,28 @@ def sweep(
     max_points: int = 4,
     target: float = DEFAULT_TARGET,
     stop_below: float = 0.0,
+    tolerance: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Run rate points; each result is `run_point(rate)` plus `rate` and `attainment`.
 
     With `rates`: those, ascending, stopping after a point whose attainment < `stop_below`.
-    Without: `max_points` adaptive points from `rate_start` (see `next_rate`).
+    Without: the knee search of `bench/knee.py` from `rate_start` (double until a point
+    fails, then bisect), at most `max_points` points, until the bracket is `tolerance` wide.
     """
     results: list[dict[str, Any]] = []
-    pairs: list[tuple[float, float]] = []
-    planned = sorted(rates) if rates else None
-    for i in range(len(planned) if planned else max_points):
-        rate = planned[i] if planned else next_rate(pairs, rate_start, target)
+
+    def attainment_at(rate: float) -> float:
         report = run_point(rate)
         value = float(report["summary"]["slo"]["attainment"] or 0.0)
         results.append({"rate": rate, "attainment": value, **report})
-        pairs.append((rate, value))
         print(json.dumps({"rate": rate, "attainment": value}), file=sys.stderr)
-        if planned and value < stop_below:
+        return value
+
+    if not rates:
+        find_knee(attainment_at, rate_start, target, tolerance, max_points)
+        return results
+    for rate in sorted(rates):
+        if attainment_at(rate) < stop_below:
             break
     return results
 
@@ -149,6 +128,12 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default=None, help="comma-separated rates (requests/s)")
     parser.add_argument("--rate-start", type=float, default=1.0, help="adaptive: first rate")
     parser.add_argument("--max-points", type=int, default=4, help="adaptive: rate points")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.1,
+        help="adaptive: stop bisecting at this bracket width relative to its upper rate",
+    )
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per rate point")
     parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="attainment goal")
     parser.add_argument(
@@ -185,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.max_points,
         args.target,
         args.stop_below,
+        args.tolerance,
     )
     goodput = goodput_report(results, args.target, args.num_units, args.unit)
     run = {"url": target.base_url, "model": target.model, "duration_s": args.duration}

@@ -125,9 +125,9 @@ def _prefill_worker(
 def _send_all(
     sender: object, cache: KVCache, ticket: Ticket, src_ids: list[int], delay_s: float
 ) -> tuple[float, float, str]:
-    from kvtransfer.base import KVSender
+    from kvtransfer import Sender
 
-    assert isinstance(sender, KVSender)
+    assert isinstance(sender, Sender)
     sender.connect(ticket, 10.0)  # as PrefillServer does when the ticket arrives
     t0 = time.perf_counter()
     for layer in range(cache.num_layers):
@@ -190,9 +190,9 @@ def _transfer(
     delay_s: float,
 ) -> tuple[float, float, float]:
     """One transfer; returns (t_first_send, t_last_layer_computed, t_done) perf_counter s."""
-    from kvtransfer.base import KVReceiver
+    from kvtransfer import Receiver
 
-    assert isinstance(receiver, KVReceiver)
+    assert isinstance(receiver, Receiver)
     ticket = receiver.open_ticket(rid, dst_ids, deadline_s=120.0)
     conn.send(("transfer", ticket, src_ids, delay_s))
     state = receiver.wait(rid, 120.0)
@@ -213,9 +213,9 @@ def _measure(
     bar: tqdm,
     sink: np.ndarray,
 ) -> dict[str, object]:
-    from kvtransfer.base import KVReceiver
+    from kvtransfer import Receiver
 
-    assert isinstance(receiver, KVReceiver)
+    assert isinstance(receiver, Receiver)
     n = math.ceil(tokens / args.block_size)
     dst_ids = rng.choice(receiver.spec.num_blocks, size=n, replace=False).tolist()
     if args.random_src:

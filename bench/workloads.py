@@ -3,7 +3,10 @@
 A workload turns a seeded RNG into `RequestSpec`s (prompt text, max_tokens, a class label);
 an arrival process turns a rate into send offsets. `schedule(...)` zips the two into the
 `ScheduledRequest` list the load generator replays. Everything is deterministic given the
-seed, and free of I/O except `TraceWorkload`, which reads its JSONL file once.
+seed, and free of I/O except `read_trace`, which reads its JSONL file once.
+
+On the command line (`--workload`): `fixed`, `trace`, and the two-class presets of
+`WORKLOAD_PRESETS` over `MixedWorkload`: `mixed`, `chat`, `long-context`, `multi-tenant`.
 
 Prompt lengths are in tokens of our byte-level built-in models: one ASCII character is one
 token, and the server adds one BOS token (`special_tokens=1`). Against another server with a
@@ -35,7 +38,7 @@ class RequestSpec:
     prompt: str
     max_tokens: int
     input_len: int  # requested prompt length in tokens (special tokens included)
-    label: str  # workload class: "fixed", "short", "long", "trace"
+    label: str  # workload class: "fixed", "short", "long", "chat", "interactive", ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,8 @@ class MixedWorkload:
 
     Short prompts are `short_input_len` ± `short_input_spread` (relative, uniform) with
     `short_output_len` new tokens; long ones (a `long_share` of requests) are uniform in
-    `[long_input_min, long_input_max]` with `long_output_len` new tokens.
+    `[long_input_min, long_input_max]` with `long_output_len` new tokens. `labels` name the
+    two classes in the records (the presets of `WORKLOAD_PRESETS` rename them).
     """
 
     short_input_len: int = 256
@@ -94,6 +98,7 @@ class MixedWorkload:
     long_output_len: int = 64
     long_share: float = 0.15
     special_tokens: int = 1
+    labels: tuple[str, str] = ("short", "long")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.long_share <= 1.0:
@@ -106,11 +111,11 @@ class MixedWorkload:
     def sample(self, rng: np.random.Generator) -> RequestSpec:
         if rng.random() < self.long_share:
             input_len = int(rng.integers(self.long_input_min, self.long_input_max + 1))
-            output_len, label = self.long_output_len, "long"
+            output_len, label = self.long_output_len, self.labels[1]
         else:
             spread = self.short_input_len * self.short_input_spread
             input_len = max(2, round(self.short_input_len + rng.uniform(-spread, spread)))
-            output_len, label = self.short_output_len, "short"
+            output_len, label = self.short_output_len, self.labels[0]
         prompt = make_prompt(input_len, rng, self.special_tokens)
         return RequestSpec(prompt, output_len, input_len, label)
 
@@ -205,8 +210,10 @@ def schedule(
     process: ArrivalProcess = "poisson",
     burstiness: float = 1.0,
     seed: int = 0,
+    num_requests: int | None = None,
 ) -> list[ScheduledRequest]:
-    """The requests of one run: arrivals over `duration_s` at `rate`, contents from `workload`.
+    """The requests of one run: arrivals over `duration_s` at `rate`, contents from `workload`;
+    with `num_requests`, exactly that many arrivals instead (as long as they take).
 
     Arrivals and contents use independent streams of `seed`, so two workloads at one seed
     share their arrival times.
@@ -214,7 +221,13 @@ def schedule(
     arrival_rng, content_rng = (
         np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2)
     )
-    offsets = arrival_offsets(rate, duration_s, process, arrival_rng, burstiness)
+    if num_requests is None:
+        offsets = arrival_offsets(rate, duration_s, process, arrival_rng, burstiness)
+    else:
+        if num_requests < 1:
+            raise ValueError(f"num_requests must be at least 1, got {num_requests}")
+        gaps = interarrival_times(num_requests - 1, rate, process, arrival_rng, burstiness)
+        offsets = [0.0, *np.cumsum(gaps).tolist()]
     return [ScheduledRequest(i, t, workload.sample(content_rng)) for i, t in enumerate(offsets)]
 
 
@@ -225,20 +238,57 @@ def schedule_trace(entries: list[TraceEntry], time_scale: float = 1.0) -> list[S
 
 # ------------------------------------------------------------------------------ command line
 
+_SHAPE_KEYS = (
+    "short_input_len",
+    "short_output_len",
+    "short_input_spread",
+    "long_input_min",
+    "long_input_max",
+    "long_output_len",
+    "long_share",
+)
+# The two-class workloads: (short class, long class) labels and the shape defaults, which
+# the --short-*/--long-* options override. Sizes are the full-size target mix; benchmarks on
+# 2 CPU cores scale them down (BENCHMARKS.md gives the commands).
+WORKLOAD_PRESETS: dict[str, tuple[tuple[str, str], dict[str, float]]] = {
+    # mostly chat turns, a share of long prompts: where prefill interferes with decode
+    "mixed": (("short", "long"), {"long_share": 0.15}),
+    # short prompts only, judged by a tight TPOT
+    "chat": (("chat", "long"), {"long_share": 0.0}),
+    # RAG-like: long prompts, short answers; TTFT-bound
+    "long-context": (("short", "long"), {"long_share": 1.0, "long_output_len": 16}),
+    # an interactive tenant (chat turns) and a batch tenant (long documents), each judged by
+    # its own class's SLOs (`PER_CLASS_SLO`)
+    "multi-tenant": (("interactive", "batch"), {"long_share": 0.25}),
+}
+_SHAPE_DEFAULTS: dict[str, float] = {
+    "short_input_len": 256,
+    "short_output_len": 128,
+    "short_input_spread": 0.25,
+    "long_input_min": 2048,
+    "long_input_max": 4096,
+    "long_output_len": 64,
+    "long_share": 0.15,
+}
+# Workloads whose classes each have their own SLOs (a point's attainment is the lowest
+# class's); the others judge every request by one shared SLO.
+PER_CLASS_SLO = frozenset({"multi-tenant"})
+
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload and arrival options shared by `bench serve`, `goodput` and `compare`."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=["fixed", "mixed", "trace"], default="mixed")
+    g.add_argument("--workload", choices=["fixed", *WORKLOAD_PRESETS, "trace"], default="mixed")
     g.add_argument("--input-len", type=int, default=256, help="fixed: prompt tokens")
     g.add_argument("--output-len", type=int, default=128, help="fixed: new tokens")
-    g.add_argument("--short-input-len", type=int, default=256, help="mixed: short prompt tokens")
-    g.add_argument("--short-output-len", type=int, default=128, help="mixed: short new tokens")
-    g.add_argument("--short-input-spread", type=float, default=0.25, help="mixed: ± relative")
-    g.add_argument("--long-input-min", type=int, default=2048, help="mixed: long prompt min")
-    g.add_argument("--long-input-max", type=int, default=4096, help="mixed: long prompt max")
-    g.add_argument("--long-output-len", type=int, default=64, help="mixed: long new tokens")
-    g.add_argument("--long-share", type=float, default=0.15, help="mixed: share of long prompts")
+    short, long = "short/chat/interactive", "long/batch"
+    g.add_argument("--short-input-len", type=int, default=None, help=f"{short}: prompt tokens")
+    g.add_argument("--short-output-len", type=int, default=None, help=f"{short}: new tokens")
+    g.add_argument("--short-input-spread", type=float, default=None, help=f"{short}: ± relative")
+    g.add_argument("--long-input-min", type=int, default=None, help=f"{long}: prompt min")
+    g.add_argument("--long-input-max", type=int, default=None, help=f"{long}: prompt max")
+    g.add_argument("--long-output-len", type=int, default=None, help=f"{long}: new tokens")
+    g.add_argument("--long-share", type=float, default=None, help=f"share of {long} requests")
     g.add_argument("--trace", type=Path, default=None, help="trace: JSONL file")
     g.add_argument("--trace-time-scale", type=float, default=1.0, help="trace: offset factor")
     g.add_argument("--special-tokens", type=int, default=1, help="tokens the server adds (BOS)")
@@ -248,28 +298,56 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--seed", type=int, default=0)
 
 
-def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The fixed or mixed workload the options describe (not for `--workload trace`)."""
+def workload_shape(args: argparse.Namespace) -> dict[str, float]:
+    """A two-class workload's sizes: each option given, else the preset's, else the default."""
+    _, preset = WORKLOAD_PRESETS[args.workload]
+    shape = {**_SHAPE_DEFAULTS, **preset}
+    given = {k: v for k in _SHAPE_KEYS if (v := getattr(args, k, None)) is not None}
+    return {**shape, **given}
+
+
+def workload_from_args(args: argparse.Namespace) -> FixedWorkload | MixedWorkload:
+    """The workload the options describe (not for `--workload trace`)."""
     if args.workload == "fixed":
         return FixedWorkload(args.input_len, args.output_len, args.special_tokens)
-    if args.workload == "mixed":
+    if args.workload in WORKLOAD_PRESETS:
+        shape = workload_shape(args)
         return MixedWorkload(
-            short_input_len=args.short_input_len,
-            short_output_len=args.short_output_len,
-            short_input_spread=args.short_input_spread,
-            long_input_min=args.long_input_min,
-            long_input_max=args.long_input_max,
-            long_output_len=args.long_output_len,
-            long_share=args.long_share,
+            short_input_len=int(shape["short_input_len"]),
+            short_output_len=int(shape["short_output_len"]),
+            short_input_spread=float(shape["short_input_spread"]),
+            long_input_min=int(shape["long_input_min"]),
+            long_input_max=int(shape["long_input_max"]),
+            long_output_len=int(shape["long_output_len"]),
+            long_share=float(shape["long_share"]),
             special_tokens=args.special_tokens,
+            labels=WORKLOAD_PRESETS[args.workload][0],
         )
     raise ValueError(f"workload {args.workload!r} is not sampled; read it with read_trace")
 
 
+def class_shapes(args: argparse.Namespace) -> dict[str, FixedWorkload]:
+    """One fixed shape per class the workload sends, by label: the nominal short request
+    and the longest long prompt (what isolated-request measurements time)."""
+    workload = workload_from_args(args)
+    if isinstance(workload, FixedWorkload):
+        return {"fixed": workload}
+    w, shapes = workload, {}
+    if w.long_share < 1:
+        shapes[w.labels[0]] = FixedWorkload(w.short_input_len, w.short_output_len, w.special_tokens)
+    if w.long_share > 0:
+        shapes[w.labels[1]] = FixedWorkload(w.long_input_max, w.long_output_len, w.special_tokens)
+    return shapes
+
+
 def requests_from_args(
-    args: argparse.Namespace, rate: float | None, duration_s: float
+    args: argparse.Namespace,
+    rate: float | None,
+    duration_s: float,
+    num_requests: int | None = None,
 ) -> list[ScheduledRequest]:
-    """The requests of one run as the options say (a trace ignores `rate` and the duration)."""
+    """The requests of one run as the options say: over `duration_s`, or exactly
+    `num_requests` if given (a trace ignores `rate`, the duration and the count)."""
     if args.workload == "trace":
         if args.trace is None:
             raise SystemExit("--workload trace needs --trace FILE")
@@ -278,24 +356,19 @@ def requests_from_args(
     if rate is None:
         raise SystemExit(f"--workload {args.workload} needs --rate")
     workload = workload_from_args(args)
-    return schedule(workload, rate, duration_s, args.arrival, args.burstiness, args.seed)
+    return schedule(
+        workload, rate, duration_s, args.arrival, args.burstiness, args.seed, num_requests
+    )
 
 
 def describe_workload(args: argparse.Namespace) -> dict[str, object]:
     """The workload options as a JSON-ready dict (recorded in every result file)."""
     keys = ["workload", "arrival", "burstiness", "seed", "special_tokens"]
+    out: dict[str, object] = {key: getattr(args, key) for key in keys}
     if args.workload == "fixed":
-        keys += ["input_len", "output_len"]
-    elif args.workload == "mixed":
-        keys += [
-            "short_input_len",
-            "short_output_len",
-            "short_input_spread",
-            "long_input_min",
-            "long_input_max",
-            "long_output_len",
-            "long_share",
-        ]
+        out.update(input_len=args.input_len, output_len=args.output_len)
+    elif args.workload in WORKLOAD_PRESETS:
+        out.update(workload_shape(args), labels=list(WORKLOAD_PRESETS[args.workload][0]))
     else:
-        keys += ["trace", "trace_time_scale"]
-    return {key: str(v) if isinstance(v := getattr(args, key), Path) else v for key in keys}
+        out.update(trace=str(args.trace), trace_time_scale=args.trace_time_scale)
+    return out

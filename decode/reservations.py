@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine import Engine
-from kvtransfer import KVReceiver, TransferState, UnknownTransferError
+from kvtransfer import Receiver, TransferState, UnknownTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Reservation:
 class ReservationTable:
     """Every live reservation of one decode replica, by transfer id."""
 
-    def __init__(self, engine: Engine, loop: AsyncEngine, receiver: KVReceiver | None) -> None:
+    def __init__(self, engine: Engine, loop: AsyncEngine, receiver: Receiver | None) -> None:
         self.engine = engine
         self.loop = loop
         self.receiver = receiver

@@ -49,12 +49,12 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
-from engine.replica import EngineReplica, ObserverFactory, model_id_for
+from engine.replica import EngineReplica, ObserverFactory, PrefillRate, model_id_for
 from engine.request import Request
 from engine.signals import RecentSamples, decode_signals
 from kvtransfer import (
-    KVReceiver,
     KVTransferError,
+    Receiver,
     Ticket,
     TransferOptions,
     TransferState,
@@ -76,6 +76,19 @@ class PrefillHandle(Protocol):
     def prefill(self) -> Any: ...
 
 
+def _network_endpoint(backend: str, endpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The receiver's address settings: tcp/nccl only (shm has none); a receiver listening on
+    every interface with no `advertise_host` names this node's IP (from Ray) in tickets."""
+    if backend == "shm":
+        return {}
+    settings = dict(endpoint)
+    if settings.get("host") in ("0.0.0.0", "::") and not settings.get("advertise_host"):
+        import ray.util
+
+        settings["advertise_host"] = ray.util.get_node_ip_address()
+    return settings
+
+
 class DecodeServer:
     """One decode replica (Ray Serve wraps it as the `DecodeServer` deployment)."""
 
@@ -91,8 +104,10 @@ class DecodeServer:
         breaker: BreakerSettings = BreakerSettings(),
         observers: Sequence[ObserverFactory] = (),
         telemetry: Callable[[str], object] | None = None,
+        cpu_affinity: Sequence[int] | None = None,
     ) -> None:
-        """`telemetry(role)`, when given, sets up this process's tracing first (once)."""
+        """`telemetry(role)`, when given, sets up this process's tracing first (once);
+        `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`)."""
         if telemetry is not None:
             telemetry(f"decode:{pool}")
         self.pool = pool
@@ -101,7 +116,7 @@ class DecodeServer:
         self.breakers = BreakerBoard(breaker)  # event loop only
         self.planner = PrefillPlanner(self.breakers, _known_replicas)
         self.prefill_pools = dict(prefill_pools or {})
-        self.receiver: KVReceiver | None = None
+        self.receiver: Receiver | None = None
         self.fence_allowance_s = transfer_options.fence_timeout_s + FENCE_MARGIN_S
         kv_cache = None
         if self.prefill_pools:
@@ -117,10 +132,12 @@ class DecodeServer:
                 model_id=model_id_for(model_config, model_dir),
                 release=lambda transfer_id: self.reservations.on_release(transfer_id),
                 options=transfer_options,
-                **dict(receiver_endpoint or {}),
+                **_network_endpoint(backend, receiver_endpoint or {}),
             )
             kv_cache = self.receiver.kv_cache
-        self.replica = EngineReplica(f"decode:{pool}", engine_config, kv_cache=kv_cache)
+        self.replica = EngineReplica(
+            f"decode:{pool}", engine_config, kv_cache=kv_cache, cpu_affinity=cpu_affinity
+        )
         self.engine = self.replica.engine
         self.loop = self.replica.loop
         self.reservations = ReservationTable(self.engine, self.loop, self.receiver)
@@ -128,6 +145,8 @@ class DecodeServer:
         if self.receiver is not None:
             self.loop.between_steps.append(self.reservations.check_leases)
         self._itl_ms = RecentSamples()  # autoscaling signal (event loop only)
+        self._local_prefill = PrefillRate()  # for adaptive disaggregation (event loop only)
+        self._num_routing_reports = 0
         self.replica.observers.extend(make(self.stats) for make in observers)
 
     # ---- the request -----------------------------------------------------------------
@@ -166,7 +185,12 @@ class DecodeServer:
         self._timelines[spec.request_id].local_request = request
         if spec.prefill_pool is None or self.receiver is None:
             self.replica.counters["local_prefill"] += 1
+            submitted = time.perf_counter()
             async for delta in self.loop.generate(request):
+                if delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids):
+                    # The first token: the prompt was computed (after any queueing) by now.
+                    computed = len(request.prompt_token_ids) - delta.num_cached_tokens
+                    self._local_prefill.add(computed, time.perf_counter() - submitted)
                 yield delta
             return
         rid = spec.request_id
@@ -400,8 +424,16 @@ class DecodeServer:
         return stats
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve polls this; our replica router reads it. Never blocks the event loop."""
-        return await self.replica.routing_stats()
+        """Ray Serve polls this; our replica router reads it, and the ingress weighs a local
+        prefill's cost from it (`prefill_tokens_per_s`: the prompts this replica prefilled
+        itself, queueing included). `num_reports` makes every report differ, so Serve
+        passes each on and a live idle replica's load never looks stale. Never blocks."""
+        self._num_routing_reports += 1
+        return {
+            **await self.replica.routing_stats(),
+            "prefill_tokens_per_s": self._local_prefill.tokens_per_s(),
+            "num_reports": self._num_routing_reports,
+        }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`

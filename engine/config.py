@@ -49,6 +49,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    # "fp8": decoder projections in FP8 with per-channel scales (`engine.quantization`)
+    quantization: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -69,7 +71,7 @@ class ModelConfig:
         )
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: int = 256 * 1024 * 1024
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (`kernels.fp8`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +101,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    quantization: str | None = None  # "fp8" weights; None = as the checkpoint is stored
+    # Ranks (devices) of one replica; > 1: worker processes in lockstep (`engine.tp_worker`)
+    tensor_parallel_size: int = 1

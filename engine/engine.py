@@ -39,6 +39,8 @@ from engine.loader import load_model_config, load_state_dict, load_tokenizer
 from engine.model import CausalLM, LayerHook, RotaryEmbedding
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel import TensorParallel, check_shardable
+from engine.quantization import cast_floating_, check_fp8_device, check_fp8_options, finish_loading
 from engine.request import (
     InvalidRequestError,
     Request,
@@ -47,20 +49,29 @@ from engine.request import (
     context_overflow,
 )
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.tp_worker import TPWorkers, WorkersLostError, start_workers
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
 
 
-def load_model(model_config: ModelConfig, model_dir: str, device: torch.device) -> CausalLM:
-    """Build the model without random init and load the checkpoint's weights."""
+def load_model(
+    model_config: ModelConfig,
+    model_dir: str,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+) -> CausalLM:
+    """Build the model (or `tp`'s shard of it) without random init and load the
+    checkpoint's weights."""
     dtype = TORCH_DTYPES[model_config.dtype]
     with torch.device("meta"):
-        model = CausalLM(model_config)
-    model = model.to_empty(device=device).to(dtype)
+        model = CausalLM(model_config, tp)
+    model = model.to_empty(device=device)
+    cast_floating_(model, dtype)  # FP8 weights and their float32 scales keep their dtypes
     model.rotary = RotaryEmbedding(model_config, dtype).to(device)
     model.load_hf_state_dict(load_state_dict(model_dir, model_config.dtype))
+    finish_loading(model)
     return model.eval()
 
 
@@ -73,22 +84,44 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device)
         self.model_dir = str(resolve_model_dir(config.model_dir))
-        self.model_config = load_model_config(self.model_dir, config.dtype)
+        self.model_config = load_model_config(self.model_dir, config.dtype, config.quantization)
+        check_fp8_options(
+            self.model_config.quantization,
+            config.cache.kv_cache_dtype,
+            self.model_config.dtype,
+            self.device.type,
+            config.tensor_parallel_size,
+        )
+        check_fp8_device(self.model_config.quantization, config.cache.kv_cache_dtype, self.device)
+        check_shardable(self.model_config, config.tensor_parallel_size)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_model(self.model_config, self.model_dir, self.device)
         self.kv_spec = KVCacheSpec.for_engine(config, self.model_config)
         if kv_cache is not None and kv_cache.spec != self.kv_spec:
             raise ValueError(f"given KV cache {kv_cache.spec} != engine's {self.kv_spec}")
-        self.kv_cache = kv_cache or KVCache.allocate(self.kv_spec, self.device)
+        self.workers: TPWorkers | None = None
+        if config.tensor_parallel_size > 1:  # ranks 1..N-1 in worker processes
+            self.workers, self.kv_cache, rank0_cache = start_workers(
+                config, self.model_dir, self.model_config, self.kv_spec, kv_cache
+            )
+        else:
+            self.kv_cache = kv_cache or KVCache.allocate(self.kv_spec, self.device)
+            rank0_cache = self.kv_cache
+        tp = self.workers.tp if self.workers is not None else None
+        self.model = load_model(self.model_config, self.model_dir, self.device, tp)
         self.kv_manager = KVCacheManager(
             self.kv_spec.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, rank0_cache, self.device, self.workers)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @classmethod
     def from_model(cls, model: str | None = None, **overrides: object) -> Engine:
@@ -285,7 +318,10 @@ class Engine:
 
     def _check_device(self) -> None:
         """After a failed step: raise if the device itself is unusable (a sticky CUDA error
-        fails every later step too, whoever is in it); the caller must then stop the engine."""
+        fails every later step too, whoever is in it; so do tensor-parallel ranks that fell
+        out of step, see `engine.tp_worker`); the caller must then stop the engine."""
+        if self.workers is not None and (problem := self.workers.problem()) is not None:
+            raise WorkersLostError(problem)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

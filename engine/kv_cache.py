@@ -4,6 +4,10 @@ Layout of the flat buffer: `[num_layers, 2 (K, V), num_blocks, block_size, num_k
 head_dim]`, so layer `l`'s K is `buffer[l, 0]` with shape
 `[num_blocks, block_size, num_kv_heads, head_dim]`. One flat buffer lets the `shm` transfer
 backend place the whole cache in shared memory that a prefill process maps and writes.
+
+With `kv_cache_dtype: fp8` the buffer holds `float8_e4m3fn` (1 byte per value, half of
+bf16); the per-KV-head scales that give the values meaning are static and belong to the
+model (`Attention.k_scale` / `v_scale`), so transfers move the bytes as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 from engine.config import DTYPE_BYTES, EngineConfig, ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What a KV cache may store: the model dtypes, and FP8 (`kv_cache_dtype: fp8`).
+KV_TORCH_DTYPES = {**TORCH_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,18 +32,28 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "float8_e4m3fn"
 
     @classmethod
     def for_model(
-        cls, model_config: ModelConfig, block_size: int, kv_cache_bytes: int, dtype: str
+        cls,
+        model_config: ModelConfig,
+        block_size: int,
+        kv_cache_bytes: int,
+        dtype: str,
+        tensor_parallel_size: int = 1,
     ) -> KVCacheSpec:
-        """The largest cache of `block_size` blocks that fits in `kv_cache_bytes`."""
+        """The largest cache of `block_size` blocks that fits in `kv_cache_bytes`.
+
+        With tensor parallelism the cache is replica-wide: `num_layers * size` items, one
+        per (layer, rank), each of the widest rank's KV heads (`engine.parallel`).
+        """
+        size = tensor_parallel_size
         probe = cls(
-            num_layers=model_config.num_hidden_layers,
+            num_layers=model_config.num_hidden_layers * size,
             num_blocks=1,
             block_size=block_size,
-            num_kv_heads=model_config.num_key_value_heads,
+            num_kv_heads=-(-model_config.num_key_value_heads // size),
             head_dim=model_config.head_dim,
             dtype=dtype,
         )
@@ -60,12 +76,16 @@ class KVCacheSpec:
     def for_engine(cls, config: EngineConfig, model_config: ModelConfig) -> KVCacheSpec:
         """The geometry an engine built from `config` uses (decode's receiver needs it first)."""
         return cls.for_model(
-            model_config, config.cache.block_size, config.cache.kv_cache_bytes, model_config.dtype
+            model_config,
+            config.cache.block_size,
+            config.cache.kv_cache_bytes,
+            kv_storage_dtype(config.cache.kv_cache_dtype, model_config.dtype),
+            config.tensor_parallel_size,
         )
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        return KV_TORCH_DTYPES[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -89,6 +109,15 @@ class KVCacheSpec:
     @property
     def flat_shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.num_blocks, *self.block_shape)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The cache's element dtype: the model's for "auto", `float8_e4m3fn` for "fp8"."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "fp8":
+        return "float8_e4m3fn"
+    raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
 
 
 class KVCache:

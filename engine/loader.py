@@ -17,6 +17,8 @@ from safetensors import safe_open
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
 from engine.kv_cache import TORCH_DTYPES
+from engine.quantization import QUANTIZATION_METHODS, SCALE_SUFFIXES
+from kernels.fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -35,11 +37,15 @@ _DEFAULT_MAX_POSITION_EMBEDDINGS = {"llama": 2048, "qwen2": 32768, "mistral": 13
 _IGNORED_WEIGHT_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
+def load_model_config(
+    model_dir: str | Path, dtype: str | None = None, quantization: str | None = None
+) -> ModelConfig:
     """Parse `config.json` (and `generation_config.json` if present) of `model_dir`.
 
     `dtype` ("float32", "bfloat16", "float16") overrides the config's `torch_dtype`/`dtype`;
-    without either, "float32". Raises FileNotFoundError when there is no config.json,
+    without either, "float32". `quantization` ("fp8") quantizes the weights at load; an FP8
+    checkpoint (`engine.quantization`) is "fp8" whatever is asked. Raises FileNotFoundError
+    when there is no config.json,
     UnsupportedModelError for an architecture, rope type or option we cannot serve, and
     ValueError for a bad `dtype`.
     """
@@ -94,13 +100,15 @@ def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelC
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_token_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),
         dtype=_config_dtype(raw, dtype, path),
+        quantization=_quantization(raw, quantization),
     )
 
 
 def load_state_dict(
     model_dir: str | Path, dtype: str, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """All weights of `model_dir` by Hugging Face name, floating tensors converted to `dtype`.
+    """All weights of `model_dir` by Hugging Face name, floating tensors converted to `dtype`
+    except FP8 weights (kept) and quantization scales (float32, `SCALE_SUFFIXES`).
 
     Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
     A tied `lm_head.weight` is absent unless the checkpoint stored it.
@@ -115,7 +123,11 @@ def load_state_dict(
                 if name in state:
                     raise UnsupportedModelError(f"weight {name!r} appears twice (again in {file})")
                 tensor = handle.get_tensor(name)
-                state[name] = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+                if name.endswith(SCALE_SUFFIXES):
+                    tensor = tensor.float()
+                elif tensor.is_floating_point() and tensor.dtype != FP8_DTYPE:
+                    tensor = tensor.to(torch_dtype)
+                state[name] = tensor
     return state
 
 
@@ -183,9 +195,18 @@ def _architecture(raw: dict[str, Any], path: Path) -> str:
 
 
 def _check_supported_options(raw: dict[str, Any], path: Path) -> None:
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "unknown")
-        raise UnsupportedModelError(f"{path} is quantized ({method}); only dense weights load")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown")
+        if method != "fp8":
+            raise UnsupportedModelError(
+                f"{path} is quantized ({method}); only dense and fp8 checkpoints load"
+            )
+        if quant.get("weight_block_size"):
+            raise UnsupportedModelError(
+                f"{path} has block-wise FP8 scales (weight_block_size "
+                f"{quant['weight_block_size']}); only per-tensor or per-channel scales load"
+            )
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {act!r} of {path} is not supported (silu only)")
@@ -231,6 +252,15 @@ def _config_dtype(raw: dict[str, Any], dtype: str | None, path: Path) -> str:
             f"{path} is saved as {saved!r}; pass dtype= one of {sorted(TORCH_DTYPES)}"
         )
     return saved
+
+
+def _quantization(raw: dict[str, Any], asked: str | None) -> str | None:
+    if asked is not None and asked not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization {asked!r} is not supported; choose from {QUANTIZATION_METHODS}"
+        )
+    stored = (raw.get("quantization_config") or {}).get("quant_method")
+    return "fp8" if stored == "fp8" else asked
 
 
 def _token_ids(*values: int | list[int] | None) -> tuple[int, ...]:

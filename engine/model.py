@@ -16,6 +16,8 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_cache import TORCH_DTYPES, KVCache
+from engine.parallel import TensorParallel, shard_state_dict, single
+from engine.quantization import Fp8Linear, pop_kv_scale, prepare_fp8_weights
 from kernels import paged_attention, write_kv_cache
 from kernels.metadata import AttentionMetadata
 
@@ -111,24 +113,37 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+def projection(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """A decoder projection: `Linear`, or `Fp8Linear` for `quantization: fp8`."""
+    if config.quantization == "fp8":
+        return Fp8Linear(in_features, out_features, bias)
+    return Linear(in_features, out_features, bias)
+
+
 def has_o_proj_bias(config: ModelConfig) -> bool:
     """Llama's attention_bias covers o_proj too; Qwen2's q/k/v bias does not."""
     return config.attention_bias and config.architecture != "qwen2"
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel QKV over this rank's heads, row-parallel O (summed over ranks)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = len(tp.shard.q_heads)
+        self.num_kv_heads = len(tp.shard.kv_heads)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = projection(
+            config, config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=has_o_proj_bias(config))
+        self.o_proj = projection(config, self.q_size, config.hidden_size, has_o_proj_bias(config))
+        # Per-KV-head scales of an FP8 KV cache (float32; used only when the cache is FP8)
+        self.k_scale = nn.Parameter(torch.ones(self.num_kv_heads), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones(self.num_kv_heads), requires_grad=False)
 
     def forward(
         self,
@@ -147,30 +162,37 @@ class Attention(nn.Module):
         )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (None, None)
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale, k_scale, v_scale)
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel gate/up over this rank's columns, row-parallel down (summed)."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        self.tp = tp
+        self.intermediate_size = len(tp.shard.mlp_columns)
+        self.gate_up_proj = projection(
+            config, config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = projection(
+            config, self.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -188,17 +210,25 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole decoder; `forward` returns final hidden states, `compute_logits` the logits."""
+    """The whole decoder; `forward` returns final hidden states, `compute_logits` the logits.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With `tp` of size > 1 this is one rank's shard (`engine.parallel`): every rank calls
+    `forward` and `compute_logits` for the same step, and both return the full result.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = tp or single(config)
         dtype = TORCH_DTYPES[config.dtype]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        vocab_rows = tp.shard.vocab_rows
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied or not, the output projection gets its own transposed copy (see `Linear`).
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(config, dtype)
 
     @torch.inference_mode()
@@ -210,7 +240,7 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata,
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        h = self._embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache.key_caches[i], kv_cache.value_caches[i], metadata)
@@ -218,14 +248,30 @@ class CausalLM(nn.Module):
                 layer_hook(i)  # layer i's K/V for this step are in the cache now
         return self.norm(h)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocab-parallel: each rank looks up the ids it owns, zeros elsewhere, then sum.
+        local = input_ids - self.tp.shard.vocab_start
+        outside = (local < 0) | (local >= self.tp.shard.vocab_rows)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill_(outside.unsqueeze(-1), 0.0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [num_rows, vocab]
+        logits = self.tp.all_gather_last(self.lm_head(hidden))  # [num_rows, padded vocab]
+        return logits[:, : self.config.vocab_size] if self.tp.size > 1 else logits
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights, fusing q/k/v and gate/up. Missing or extra
-        tensors raise with their names."""
-        remaining = dict(state_dict)
+        tensors raise with their names. A shard takes its part of each tensor. With
+        `quantization: fp8` projections are quantized (or taken as FP8 with their scales,
+        `engine.quantization`); KV-cache scales are taken where the checkpoint has them."""
+        quantized = self.config.quantization == "fp8"
+        state = dict(state_dict)
+        if quantized:
+            prepare_fp8_weights(state)
+        remaining = shard_state_dict(state, self.tp.shard)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -245,6 +291,13 @@ class CausalLM(nn.Module):
                 param.copy_(value)
             loaded.add(name)
 
+        def put_projection(name: str, sources: list[str]) -> None:
+            """`sources` (HF prefixes) fused along their output rows into projection `name`."""
+            put(name + ".weight_t", torch.cat([take(src + ".weight") for src in sources]).t())
+            if quantized:
+                scales = [take(src + ".weight_scale") for src in sources]
+                put(name + ".weight_scale", torch.cat(scales))
+
         embed = take("model.embed_tokens.weight")
         put("embed_tokens.weight", embed)
         put("norm.weight", take("model.norm.weight"))
@@ -256,17 +309,18 @@ class CausalLM(nn.Module):
         for i in range(self.config.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn, mlp = src + "self_attn.", src + "mlp."
-            qkv = [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-            put(dst + "self_attn.qkv_proj.weight_t", torch.cat(qkv).t())
+            put_projection(dst + "self_attn.qkv_proj", [f"{attn}{p}_proj" for p in "qkv"])
             if self.config.attention_bias:
                 bias = [take(f"{attn}{p}_proj.bias") for p in "qkv"]
                 put(dst + "self_attn.qkv_proj.bias", torch.cat(bias))
-            put(dst + "self_attn.o_proj.weight_t", take(attn + "o_proj.weight").t())
+            put_projection(dst + "self_attn.o_proj", [attn + "o_proj"])
+            num_kv_heads = len(self.tp.shard.kv_heads)
+            for name in ("k_scale", "v_scale"):
+                put(dst + "self_attn." + name, pop_kv_scale(remaining, attn + name, num_kv_heads))
             if has_o_proj_bias(self.config):
                 put(dst + "self_attn.o_proj.bias", take(attn + "o_proj.bias"))
-            gate_up = [take(f"{mlp}{p}_proj.weight") for p in ("gate", "up")]
-            put(dst + "mlp.gate_up_proj.weight_t", torch.cat(gate_up).t())
-            put(dst + "mlp.down_proj.weight_t", take(mlp + "down_proj.weight").t())
+            put_projection(dst + "mlp.gate_up_proj", [mlp + "gate_proj", mlp + "up_proj"])
+            put_projection(dst + "mlp.down_proj", [mlp + "down_proj"])
             if self.config.mlp_bias:
                 bias = [take(f"{mlp}{p}_proj.bias") for p in ("gate", "up")]
                 put(dst + "mlp.gate_up_proj.bias", torch.cat(bias))

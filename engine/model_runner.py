@@ -11,6 +11,7 @@ from engine.model import CausalLM, LayerHook
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import SchedulerOutput
+from engine.tp_worker import StepInput, TPWorkers
 from kernels.metadata import AttentionMetadata
 
 Sampled = dict[str, tuple[int, dict[int, float] | None]]
@@ -36,10 +37,20 @@ def _new_token_ids(request: Request, start: int, num: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    """Rank 0's runner; with `workers` (tensor parallelism) it sends each step's inputs
+    to the other ranks before running its own shard, and samples alone."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        device: torch.device,
+        workers: TPWorkers | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.workers = workers
         self.block_size = kv_cache.block_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
@@ -98,16 +109,17 @@ class ModelRunner:
         if output.is_empty:
             return {}
         model_input = self.prepare(output)
-        hidden = self.model(
-            model_input.input_ids,
-            model_input.positions,
-            self.kv_cache,
-            model_input.metadata,
-            layer_hook,
-        )
-        if not model_input.sampling_requests:
+        if self.workers is None:
+            logits = self._forward(model_input, layer_hook)
+        else:
+            self.workers.start_step(_step_input(model_input))
+            try:
+                logits = self._forward(model_input, _per_rank(layer_hook, self.workers.tp.size))
+            except BaseException:
+                self.workers.broken = True  # the other ranks may wait in a collective
+                raise
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
         batch = SamplingBatch.from_requests(
             model_input.sampling_requests, self._generators_for(model_input.sampling_requests)
         )
@@ -125,6 +137,21 @@ class ModelRunner:
             )
         }
 
+    def _forward(
+        self, model_input: ModelInput, layer_hook: LayerHook | None
+    ) -> torch.Tensor | None:
+        """The model's pass, then the logits of the sampling rows (None: no sampling)."""
+        hidden = self.model(
+            model_input.input_ids,
+            model_input.positions,
+            self.kv_cache,
+            model_input.metadata,
+            layer_hook,
+        )
+        if not model_input.sampling_requests:
+            return None
+        return self.model.compute_logits(hidden[model_input.logits_indices])
+
     def _generators_for(self, requests: list[Request]) -> dict[str, torch.Generator]:
         for request in requests:
             seed = request.sampling_params.seed
@@ -135,3 +162,39 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         """Drop per-request state (the seeded generator) once the request has finished."""
         self._generators.pop(request_id, None)
+
+
+def _step_input(model_input: ModelInput) -> StepInput:
+    """What the other ranks need of a step (CPU tensors: they move to their own device)."""
+    m = model_input.metadata
+    metadata = AttentionMetadata(
+        slot_mapping=m.slot_mapping.cpu(),
+        query_start_loc=m.query_start_loc.cpu(),
+        seq_lens=m.seq_lens.cpu(),
+        block_tables=m.block_tables.cpu(),
+        query_lens_list=m.query_lens_list,
+        seq_lens_list=m.seq_lens_list,
+        block_size=m.block_size,
+    )
+    return StepInput(
+        input_ids=model_input.input_ids.cpu(),
+        positions=model_input.positions.cpu(),
+        metadata=metadata,
+        logits_indices=model_input.logits_indices.cpu(),
+    )
+
+
+def _per_rank(layer_hook: LayerHook | None, size: int) -> LayerHook | None:
+    """A hook called with the replica-wide KV item of every rank once a layer is done.
+
+    After rank 0 finishes layer i, every rank has written layer i's K/V: their attention
+    output went into the all-reduce that rank 0 has passed.
+    """
+    if layer_hook is None:
+        return None
+
+    def hook(layer: int) -> None:
+        for rank in range(size):
+            layer_hook(layer * size + rank)
+
+    return hook

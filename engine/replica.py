@@ -21,6 +21,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
+from engine.signals import RecentSamples
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
 # the engine thread is stuck: the replica reports unhealthy and Serve replaces it.
@@ -52,6 +53,42 @@ def replica_name(role: str) -> str:
     return f"{role}@{socket.gethostname()}:{os.getpid()}"
 
 
+class PrefillRate:
+    """Prompt tokens prefilled per second, from (tokens, seconds) samples of the last
+    `RecentSamples` window; once measured, the latest rate outlives the window (a replica's
+    speed outlasts its traffic). Event loop only."""
+
+    def __init__(self) -> None:
+        self._tokens = RecentSamples()
+        self._seconds = RecentSamples()
+        self._latest = 0.0
+
+    def add(self, num_tokens: int, seconds: float, now: float | None = None) -> None:
+        """One prompt: `num_tokens` computed in `seconds` (ignored unless both positive)."""
+        if num_tokens > 0 and seconds > 0:
+            self._tokens.add(num_tokens, now)
+            self._seconds.add(seconds, now)
+
+    def tokens_per_s(self, now: float | None = None) -> float:
+        """The window's rate, else the latest one measured; 0.0 until the first sample."""
+        seconds = sum(self._seconds.values(now))
+        if seconds > 0:
+            self._latest = sum(self._tokens.values(now)) / seconds
+        return self._latest
+
+
+def pin_to_cores(cores: Sequence[int]) -> None:
+    """Restrict this whole process to `cores`: every thread it has now (sched_setaffinity
+    applies per thread), and so every thread started later, which inherits its creator's
+    mask (the engine loop and torch's intra-op pool)."""
+    allowed = set(cores)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), allowed)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
 class ReplicaObserver(Protocol):
     """Watches one replica from inside its process (e.g. exports its metrics)."""
 
@@ -75,7 +112,11 @@ class EngineReplica:
         config: EngineConfig,
         kv_cache: KVCache | None = None,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        cpu_affinity: Sequence[int] | None = None,
     ) -> None:
+        """`cpu_affinity`: cores to pin the process to before the engine starts (None: as is)."""
+        if cpu_affinity is not None:
+            pin_to_cores(cpu_affinity)
         self.role = role
         self.stall_timeout_s = stall_timeout_s
         self.name = replica_name(role)

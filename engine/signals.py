@@ -16,6 +16,10 @@ from collections.abc import Iterable, Mapping
 # several requests at low load, short enough to follow a load change within a minute.
 SIGNAL_WINDOW_S = 30.0
 MAX_SAMPLES = 4096
+# A latency window with fewer samples reports no latency (0.0): one request is no evidence
+# (after a quiet spell, or a fresh replica's first, cold request). The policies also ignore
+# a latency breach while the pool's load is low (`app/autoscaling.py`).
+MIN_SAMPLES = 2
 
 PREFILL_SIGNALS = ("queued_prompt_tokens", "prefill_tokens_per_s", "ttft_p90_ms")
 DECODE_SIGNALS = (
@@ -59,8 +63,10 @@ class RecentSamples:
         return [value for _, value in self._samples]
 
     def p90(self, now: float | None = None) -> float:
-        """90th percentile of the window's values (0.0 when empty)."""
-        return percentile(self.values(now), 0.9)
+        """90th percentile of the window's values; 0.0 (no evidence) with fewer than
+        `MIN_SAMPLES` of them."""
+        values = self.values(now)
+        return percentile(values, 0.9) if len(values) >= MIN_SAMPLES else 0.0
 
 
 def busy_seconds(step_times: Iterable[tuple[float, float]], since: float) -> float:
@@ -78,7 +84,8 @@ def prefill_signals(
 ) -> dict[str, float]:
     """A prefill replica's signals: prompt tokens not yet computed, prompt tokens prefilled
     per second of engine busy time (`busy_s`: step seconds within `prompt_tokens`' window;
-    0.0 until measured), and recent TTFT p90 (`prefill` call to KV delivered, ms)."""
+    0.0 until measured), and recent TTFT p90 (`prefill` call to KV delivered, ms; 0.0 below
+    `MIN_SAMPLES`)."""
     tokens = sum(prompt_tokens.values(now))
     return {
         "queued_prompt_tokens": float(occupancy["queued_tokens"]),
@@ -92,7 +99,8 @@ def decode_signals(
 ) -> dict[str, float]:
     """A decode replica's signals: KV blocks in use and in total, running sequences,
     requests queued for admission (`num_waiting`) or for their KV to land
-    (`num_waiting_for_kv`), and recent ITL p90 (ms between a stream's tokens)."""
+    (`num_waiting_for_kv`), and recent ITL p90 (ms between a stream's tokens; 0.0 below
+    `MIN_SAMPLES`)."""
     num_blocks = occupancy["num_blocks"]
     return {
         "kv_blocks_used": float(num_blocks - occupancy["num_free_blocks"]),

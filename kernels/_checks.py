@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.fp8 import KV_CACHE_DTYPES
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -24,9 +26,10 @@ def check_kv_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(
             f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}"
         )
-    if k_cache.dtype not in FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+    if k_cache.dtype not in KV_CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise TypeError(
-            f"k_cache/v_cache must share one of {FLOAT_DTYPES}, got {k_cache.dtype}/{v_cache.dtype}"
+            f"k_cache/v_cache must share one of {KV_CACHE_DTYPES}, "
+            f"got {k_cache.dtype}/{v_cache.dtype}"
         )
     if v_cache.device != k_cache.device:
         raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels._checks import as_block_ids, check_kv_caches
+from kernels.fp8 import as_bytes
 
 
 def packed_shape(k_cache: torch.Tensor, num_ids: int) -> tuple[int, ...]:
@@ -61,7 +62,7 @@ def pack_kv_blocks(
     if k_cache.is_cuda:
         from kernels.triton.kv_pack import pack_kv_blocks_triton
 
-        pack_kv_blocks_triton(k_cache, v_cache, ids, out)
+        pack_kv_blocks_triton(as_bytes(k_cache), as_bytes(v_cache), ids, as_bytes(out))
         return out
     # index_select writes straight into the (contiguous, right-sized) halves of `out`
     torch.index_select(k_cache, 0, ids, out=out[0])
@@ -91,10 +92,11 @@ def unpack_kv_blocks(
     if k_cache.is_cuda:
         from kernels.triton.kv_pack import unpack_kv_blocks_triton
 
-        unpack_kv_blocks_triton(buffer, k_cache, v_cache, ids)
+        unpack_kv_blocks_triton(as_bytes(buffer), as_bytes(k_cache), as_bytes(v_cache), ids)
         return
-    k_cache.index_copy_(0, ids, buffer[0])
-    v_cache.index_copy_(0, ids, buffer[1])
+    # FP8 moves as bytes (no FP8 index_copy_ on the CPU); the values are not touched
+    as_bytes(k_cache).index_copy_(0, ids, as_bytes(buffer[0]))
+    as_bytes(v_cache).index_copy_(0, ids, as_bytes(buffer[1]))
 
 
 def pack_kv_blocks_ref(

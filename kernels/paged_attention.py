@@ -9,6 +9,11 @@ On the CPU, decode sequences (one query each) run as one batch: gather their blo
 the queries as `[num_seqs, kvH, group, D]` so each kv head serves its whole query group, and
 call SDPA's fused CPU kernel with a padding mask. Prefill sequences run one by one through
 the same kernel with native GQA and an offset causal mask (no K/V repeat copies anywhere).
+
+An FP8 cache (`kernels.fp8`) is read through its per-head scales without a dequantizing
+pass: FP8 values convert exactly to the query's dtype, the K scale is folded into each
+head's query (`q·(s·k) = (s·q)·k`) and the V scale applied to each head's output
+(attention is linear in V).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels._checks import check_kv_caches
+from kernels._checks import FLOAT_DTYPES, check_kv_caches
+from kernels.fp8 import check_kv_scales, dequantize_per_head, is_fp8
 from kernels.metadata import AttentionMetadata
 
 
@@ -27,8 +33,11 @@ def _check_paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     check_kv_caches(k_cache, v_cache)
+    check_kv_scales(k_cache, k_scale, v_scale)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(
@@ -37,7 +46,9 @@ def _check_paged_attention(
     num_heads = query.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if query.dtype != k_cache.dtype:
+    if is_fp8(k_cache) and query.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"query for an FP8 cache must be one of {FLOAT_DTYPES}, got {query.dtype}")
+    if not is_fp8(k_cache) and query.dtype != k_cache.dtype:
         raise TypeError(f"query dtype {query.dtype} != cache dtype {k_cache.dtype}")
     if query.device != k_cache.device:
         raise ValueError(f"query on {query.device}, cache on {k_cache.device}")
@@ -57,6 +68,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over their sequences' paged KV cache.
 
@@ -67,17 +80,39 @@ def paged_attention(
             already holding the step's new K/V.
         metadata: the step's attention metadata (`seq_lens` count the new tokens).
         scale: multiplier of `q @ k^T` (usually `head_dim ** -0.5`).
+        k_scale, v_scale: float32 `[num_kv_heads]` dequantization scales of an FP8 cache
+            (stored value * scale = K or V); None for any other cache.
 
     Returns:
         `[num_tokens, num_heads, head_dim]` in the query's dtype; softmax runs in float32.
     """
-    _check_paged_attention(query, k_cache, v_cache, metadata)
+    _check_paged_attention(query, k_cache, v_cache, metadata, k_scale, v_scale)
     if query.is_cuda:
         from kernels.triton.paged_attention import paged_attention_triton
 
-        return paged_attention_triton(query, k_cache, v_cache, metadata, scale)
+        return paged_attention_triton(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
     if query.shape[0] == 0:
         return torch.empty_like(query)
+    if k_scale is not None and v_scale is not None:
+        group = query.shape[1] // k_cache.shape[2]
+        # [num_heads, 1] scale of each query head's kv head
+        k_heads = k_scale.repeat_interleave(group)[:, None]
+        v_heads = v_scale.repeat_interleave(group)[:, None]
+        out = _attend(
+            ((query.float() * k_heads).to(query.dtype)), k_cache, v_cache, metadata, scale
+        )
+        return (out.float() * v_heads).to(query.dtype)
+    return _attend(query, k_cache, v_cache, metadata, scale)
+
+
+def _attend(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU paths; the cache's values are read as the query's dtype."""
     if metadata.is_decode_only:
         return _decode(
             query,
@@ -109,8 +144,10 @@ def _decode(
     # Gather is one contiguous copy per block; block table padding (block 0) is masked below.
     block_ids = block_tables[:, :num_blocks].reshape(-1)
     # [num_seqs, kvH, ctx_len, D] strided views over the gathered blocks
-    keys = k_cache.index_select(0, block_ids).view(num_seqs, ctx_len, num_kv_heads, head_dim)
-    values = v_cache.index_select(0, block_ids).view(num_seqs, ctx_len, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, block_ids).to(query.dtype)
+    values = v_cache.index_select(0, block_ids).to(query.dtype)
+    keys = keys.view(num_seqs, ctx_len, num_kv_heads, head_dim)
+    values = values.view(num_seqs, ctx_len, num_kv_heads, head_dim)
     keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # [num_seqs, kvH, group, D]: each kv head attends for its whole query group at once
     queries = query.reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -137,8 +174,8 @@ def _prefill_one(
     num_blocks = -(-seq_len // block_size)
     block_ids = block_table[:num_blocks]
     # [1, kvH, seq_len, D] strided views over the gathered blocks
-    keys = k_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
-    values = v_cache.index_select(0, block_ids).flatten(0, 1)[:seq_len]
+    keys = k_cache.index_select(0, block_ids).to(query.dtype).flatten(0, 1)[:seq_len]
+    values = v_cache.index_select(0, block_ids).to(query.dtype).flatten(0, 1)[:seq_len]
     keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
     queries = query.transpose(0, 1)[None]  # [1, num_heads, query_len, D]
     mask = None
@@ -205,10 +242,13 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for `paged_attention`: per sequence, gather, repeat kv heads, masked softmax.
 
-    Everything is computed in float32 and cast back to the query's dtype at the end.
+    Everything is computed in float32 (an FP8 cache dequantized first) and cast back to the
+    query's dtype at the end.
     """
     num_heads = query.shape[1]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -224,6 +264,9 @@ def paged_attention_ref(
         # [seq_len, num_kv_heads, head_dim] -> [seq_len, num_heads, head_dim]
         keys = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         values = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        if k_scale is not None and v_scale is not None:
+            keys = dequantize_per_head(keys, k_scale)
+            values = dequantize_per_head(values, v_scale)
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         queries = query[start:end].float()  # [query_len, num_heads, head_dim]

@@ -1,7 +1,8 @@
 """Moving KV blocks from a prefill replica into a decode replica's paged cache.
 
-Pick a backend by name; backends load lazily, so `nccl` is selectable (and fails with a
-clear `BackendUnavailableError` when used) on a machine without CUDA:
+One `Receiver` (decode side) and one `Sender` (prefill side), each holding the transfer
+table and a backend's data path; backends load lazily, so `nccl` is selectable (and fails
+with a clear `BackendUnavailableError` when used) on a machine without CUDA:
 
     receiver = create_receiver("shm", spec, model_id="llama-3-8b", release=pool.free_request)
     ticket = receiver.open_ticket("req-1", block_ids, deadline_s=30)      # decode side
@@ -11,7 +12,6 @@ clear `BackendUnavailableError` when used) on a machine without CUDA:
 
 | backend | where | data path |
 | --- | --- | --- |
-| `local` | one process | direct copies, completes synchronously (engine tests) |
 | `shm` | one host | sender writes into decode's cache in /dev/shm (one copy) |
 | `tcp` | across hosts | one frame per layer, gathered from / scattered into the caches |
 | `nccl` | GPUs | NCCL send/recv, control frames over TCP |
@@ -19,8 +19,7 @@ clear `BackendUnavailableError` when used) on a machine without CUDA:
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import (
@@ -28,8 +27,6 @@ from kvtransfer.base import (
     ChecksumMismatchError,
     KVLayout,
     KVLayoutMismatchError,
-    KVReceiver,
-    KVSender,
     KVTransferError,
     PeerLostError,
     ReleaseFn,
@@ -41,29 +38,21 @@ from kvtransfer.base import (
     TransferState,
     UnknownTransferError,
 )
+from kvtransfer.receiver import Landing, Receiver
+from kvtransfer.sender import Sender, Writing
+from kvtransfer.tcp import is_loopback
 
-# name -> (module, receiver class, sender class)
-_BACKENDS: dict[str, tuple[str, str, str]] = {
-    "local": ("kvtransfer.local", "LocalReceiver", "LocalSender"),
-    "shm": ("kvtransfer.shm", "ShmReceiver", "ShmSender"),
-    "tcp": ("kvtransfer.tcp", "TcpReceiver", "TcpSender"),
-    "nccl": ("kvtransfer.nccl", "NcclReceiver", "NcclSender"),
-}
+BACKENDS = ("nccl", "shm", "tcp")
 
 
 def available_backends() -> list[str]:
     """Names `create_receiver`/`create_sender` accept (whether usable here or not)."""
-    return sorted(_BACKENDS)
+    return list(BACKENDS)
 
 
-def _classes(backend: str) -> tuple[Callable[..., KVReceiver], Callable[..., KVSender]]:
-    if backend not in _BACKENDS:
-        raise ValueError(
-            f"unknown KV transfer backend {backend!r}; choose from {available_backends()}"
-        )
-    module_name, receiver_name, sender_name = _BACKENDS[backend]
-    module = importlib.import_module(module_name)
-    return getattr(module, receiver_name), getattr(module, sender_name)
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {backend!r}; choose from {list(BACKENDS)}")
 
 
 def create_receiver(
@@ -74,24 +63,55 @@ def create_receiver(
     model_id: str,
     release: ReleaseFn,
     options: TransferOptions = TransferOptions(),
-    **endpoint: object,
-) -> KVReceiver:
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise_host: str | None = None,
+    name: str | None = None,
+    device: str | torch.device | None = None,
+    epoch: int | None = None,
+) -> Receiver:
     """Called once per decode replica at startup. The receiver owns or adopts the cache.
 
-    `kv_cache=None` allocates one (for `shm` it must be None: the cache is created in shared
-    memory; read it back from `receiver.kv_cache`). `release(request_id)` frees a request's
-    destination blocks when its transfer ends other than DONE. `endpoint` holds the
-    backend's address settings: `host`, `port`, `advertise_host` (tcp, nccl), `name` (shm),
-    `device` (nccl), `epoch` (tests).
+    `kv_cache=None` allocates one (on `device` for nccl; for `shm` it must be None: the
+    cache is created in shared memory; read it back from `receiver.kv_cache`).
+    `release(request_id)` frees a request's destination blocks when its transfer ends other
+    than DONE. tcp and nccl listen on `host:port` and name `advertise_host` (else `host`)
+    in tickets; without `options.secret` they listen on loopback addresses only. shm takes
+    a segment `name`. `epoch` pins the incarnation number (tests).
     """
-    receiver_cls, _ = _classes(backend)
+    _check(backend)
+    landing: Landing
     if backend == "shm":
         if kv_cache is not None:
             raise ValueError("the shm receiver creates its cache in shared memory; pass None")
-        return receiver_cls(spec, model_id=model_id, release=release, options=options, **endpoint)
-    return receiver_cls(
-        spec, kv_cache, model_id=model_id, release=release, options=options, **endpoint
-    )
+        from kvtransfer.shm import ShmLanding
+
+        landing = ShmLanding(spec, name)
+    else:
+        if options.secret is None and not is_loopback(host):
+            raise ValueError(
+                f"a receiver on {host!r} needs TransferOptions.secret: without it any host "
+                "could write into the KV cache (bind a loopback address for tests)"
+            )
+        if backend == "tcp":
+            from kvtransfer.tcp import TcpLanding
+
+            landing = TcpLanding(kv_cache or KVCache.allocate(spec), host, port, advertise_host)
+        else:
+            from kvtransfer.nccl import NcclLanding, require_cuda, resolve_device
+
+            if kv_cache is None:
+                require_cuda(resolve_device(device))
+                kv_cache = KVCache.allocate(spec, resolve_device(device))
+            landing = NcclLanding(kv_cache, host, port, advertise_host)
+    try:
+        return Receiver(
+            spec, landing, model_id=model_id, release=release, options=options, epoch=epoch
+        )
+    except BaseException:
+        landing.listener.close()
+        landing.close()
+        raise
 
 
 def create_sender(
@@ -101,13 +121,28 @@ def create_sender(
     model_id: str,
     release: ReleaseFn,
     options: TransferOptions = TransferOptions(),
-    **endpoint: object,
-) -> KVSender:
+    host: str | None = None,
+    device: str | torch.device | None = None,
+) -> Sender:
     """Called once per prefill replica at startup. `spec` describes the sender's own cache;
     `release(request_id)` frees a request's source blocks once its transfer ended.
-    `options.checksum` adds a CRC32 per layer; `endpoint` may hold `device` (nccl)."""
-    _, sender_cls = _classes(backend)
-    return sender_cls(spec, model_id=model_id, release=release, options=options, **endpoint)
+    `options.checksum` adds a CRC32 per layer; tcp connections leave from `host` when given;
+    nccl runs on `device`."""
+    _check(backend)
+    writing: Writing
+    if backend == "shm":
+        from kvtransfer.shm import ShmWriting
+
+        writing = ShmWriting(spec)
+    elif backend == "tcp":
+        from kvtransfer.tcp import TcpWriting
+
+        writing = TcpWriting(host)
+    else:
+        from kvtransfer.nccl import NcclWriting
+
+        writing = NcclWriting(spec, device)
+    return Sender(spec, writing, model_id=model_id, release=release, options=options)
 
 
 __all__ = [
@@ -115,10 +150,10 @@ __all__ = [
     "ChecksumMismatchError",
     "KVLayout",
     "KVLayoutMismatchError",
-    "KVReceiver",
-    "KVSender",
     "KVTransferError",
     "PeerLostError",
+    "Receiver",
+    "Sender",
     "StaleEpochError",
     "Ticket",
     "TransferAbortedError",

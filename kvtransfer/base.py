@@ -15,18 +15,16 @@ terminal state (the source blocks are no longer read).
 
 from __future__ import annotations
 
-import abc
 import enum
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TypeVar
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import KVCacheSpec
 
 # Version of the cache memory layout both ends assume: `[layers, 2 (K, V), blocks, slots,
 # kv_heads, head_dim]`, K before V. Bump when engine/kv_cache.py changes it.
@@ -226,21 +224,35 @@ class KVLayout:
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """Where and how the prefill side must write one request's KV. Small and picklable."""
+    """Where and how the prefill side must write one request's KV. Small and picklable.
+
+    The deadline travels as a duration, never as a wall-clock instant two hosts would have
+    to agree on: each process that unpickles a ticket starts its own monotonic countdown
+    from the seconds that were left when it was pickled.
+    """
 
     request_id: str
     endpoint: str  # backend-specific address of the receiver, e.g. "tcp://10.0.0.3:41234"
     block_ids: tuple[int, ...]  # destination blocks, in token order
     layout: KVLayout
     epoch: int  # the receiver's incarnation; fences tickets from before a restart
-    deadline: float  # absolute wall-clock time (time.time()) after which the transfer expires
+    deadline_s: float = field(compare=False)  # seconds the transfer may take, from issue
+    expires_at: float = field(init=False, compare=False, repr=False)  # this process: monotonic
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "expires_at", time.monotonic() + self.deadline_s)
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        fields_ = (self.request_id, self.endpoint, self.block_ids, self.layout, self.epoch)
+        return (Ticket, (*fields_, self.seconds_left()))
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
 
-    def seconds_left(self, now: float | None = None) -> float:
-        return self.deadline - (time.time() if now is None else now)
+    def seconds_left(self) -> float:
+        """Seconds until the transfer expires, by this process's monotonic clock."""
+        return self.expires_at - time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +265,6 @@ class TransferOptions:
     fence_timeout_s: float = 5.0  # receiver: wait this long for a remote writer's ABORT_ACK
     reap_interval_s: float = 0.05  # how often deadlines are checked
     tombstone_ttl_s: float = 120.0  # ended transfers stay pollable this long
-    corrupt_layers: frozenset[int] = frozenset()  # test hook: sender damages these layers
     # Shared by every replica of one application; both ends of a connection prove they hold
     # it (HMAC challenge-response, `kvtransfer.auth`). None: no authentication (tests, tools).
     secret: str | None = field(default=None, repr=False)
@@ -288,173 +299,3 @@ def new_epoch() -> int:
     with _epoch_lock:
         _last_epoch = max(candidate, _last_epoch + 1)
         return _last_epoch
-
-
-# ---------------------------------------------------------------------------------------
-# The interface
-
-
-_End = TypeVar("_End", bound="ClosesOnExit")
-
-
-class ClosesOnExit(abc.ABC):
-    """`with` support for both ends: leaving the block calls `close()` (replica shutdown)."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release everything this end holds; idempotent."""
-
-    @abc.abstractmethod
-    def serving_problem(self) -> str | None:
-        """Called by the replica's health check: why this end cannot take transfers now
-        (closed, a service thread died), or None. Never blocks."""
-
-    def __enter__(self: _End) -> _End:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class KVReceiver(ClosesOnExit):
-    """Decode side: owns the destination KV cache and accepts transfers into it.
-
-    Thread-safe. `release(request_id)` is called exactly once per ticket that ends in
-    FAILED, ABORTED or EXPIRED (possibly from an internal thread; it must not block long).
-    """
-
-    backend: str
-    spec: KVCacheSpec
-    layout: KVLayout
-    epoch: int
-
-    @property
-    @abc.abstractmethod
-    def kv_cache(self) -> KVCache:
-        """The destination cache (for `shm`, it lives in shared memory the receiver owns)."""
-
-    @property
-    @abc.abstractmethod
-    def endpoint(self) -> str:
-        """Address senders connect to; copied into every ticket."""
-
-    @abc.abstractmethod
-    def open_ticket(self, request_id: str, block_ids: Sequence[int], deadline_s: float) -> Ticket:
-        """Called by the decode scheduler after it reserved `block_ids` for a request.
-
-        The transfer starts PENDING and expires `deadline_s` seconds from now. Frees nothing;
-        from now on the blocks are returned through `release` unless the transfer ends DONE.
-        """
-
-    @abc.abstractmethod
-    def poll(self, request_id: str) -> TransferState:
-        """Called by the decode engine loop each step; never blocks, frees nothing."""
-
-    @abc.abstractmethod
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        """Block up to `timeout_s` for a terminal state (tests, benchmarks); frees nothing."""
-
-    @abc.abstractmethod
-    def num_layers_received(self, request_id: str) -> int:
-        """How many layers have landed so far (for progress and layer-wise decode)."""
-
-    def endpoint_stats(self) -> dict[str, int] | None:
-        """Connections open now and peers cut off, by reason (replica stats); None for a
-        backend without a network endpoint (`local`). Never blocks."""
-        return None
-
-    @abc.abstractmethod
-    def transfer_counts(self) -> dict[str, int]:
-        """`num_open`, `num_fenced` and `num_quarantined` transfers (replica stats); never
-        blocks. Fenced and quarantined transfers ended but still hold their blocks."""
-
-    @abc.abstractmethod
-    def error(self, request_id: str) -> KVTransferError | None:
-        """Why a transfer ended FAILED/ABORTED/EXPIRED (None otherwise)."""
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Called by decode on client disconnect, preemption or prefill failure; idempotent.
-
-        Ends the transfer ABORTED (no-op if already terminal) and tells the sender. The
-        destination blocks are released once no sender can write them any more.
-        """
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Called once at replica shutdown: aborts open transfers (releasing their blocks),
-        stops threads, closes sockets and frees shared memory. Idempotent."""
-
-
-class KVSender(ClosesOnExit):
-    """Prefill side: streams one request's layers to the ticket's receiver.
-
-    Thread-safe. `release(request_id)` is called exactly once for every request id given to
-    `connect`, `send_layer`, `finish` or `abort`, when its transfer reaches any terminal
-    state: the source blocks are then no longer read and may be freed.
-    """
-
-    backend: str
-    spec: KVCacheSpec
-    layout: KVLayout
-
-    @abc.abstractmethod
-    def connect(self, ticket: Ticket, timeout_s: float) -> None:
-        """Optional: called by prefill when a ticket arrives, before computing.
-
-        Registers the transfer, performs the handshake and binds it at the receiver now
-        (so the first layer is written without a round trip), and raises
-        `KVLayoutMismatchError`, `StaleEpochError`, `AuthenticationError` (the receiver
-        and we do not share the secret) or `PeerLostError` instead of failing later; the
-        transfer then ended FAILED and `release` follows as for any end. After a
-        successful connect an `abort` reaches the receiver even before the first layer.
-        Frees nothing.
-        """
-
-    @abc.abstractmethod
-    def send_layer(
-        self,
-        ticket: Ticket,
-        layer: int,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        src_block_ids: BlockIds,
-    ) -> None:
-        """Called by the prefill model runner right after layer `layer` is computed.
-
-        `k_cache`/`v_cache` are that layer's `[num_blocks, block_size, kv_heads, head_dim]`
-        caches and `src_block_ids` the request's blocks there, in the ticket's order.
-        Returns at once (the copy runs on a background thread, overlapping the next layer's
-        compute); the source blocks must stay untouched until `release`. Raises ValueError
-        only for caller bugs (shapes, layer index); transfer problems end it FAILED.
-        """
-
-    @abc.abstractmethod
-    def finish(self, ticket: Ticket) -> None:
-        """Called by prefill after the last `send_layer`; non-blocking. The transfer turns
-        DONE when the receiver confirms every layer; `release` follows."""
-
-    @abc.abstractmethod
-    def poll(self, request_id: str) -> TransferState:
-        """Sender's view of the transfer; never blocks, frees nothing."""
-
-    @abc.abstractmethod
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        """Block up to `timeout_s` for a terminal state; frees nothing."""
-
-    @abc.abstractmethod
-    def error(self, request_id: str) -> KVTransferError | None:
-        """Why the transfer failed, if it did."""
-
-    @abc.abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Called by prefill on cancellation or error; idempotent, safe at any moment.
-
-        Stops writing, tells the receiver (which then releases its blocks) and releases the
-        source blocks.
-        """
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Called once at replica shutdown: aborts open transfers (releasing their source
-        blocks), stops the sender thread and closes connections. Idempotent."""

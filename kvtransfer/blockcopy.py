@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.kv_cache import KVCache
 from kvtransfer import ntcopy
 
 STAGING_BYTES = 256 * 1024  # chunk of the two-sided path: fits in L2 on current CPUs
@@ -35,6 +36,13 @@ def block_rows(cache: torch.Tensor) -> np.ndarray:
     if not cache.is_contiguous():
         raise ValueError("the layer cache must be contiguous")
     return cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy()
+
+
+def cache_rows(kv_cache: KVCache) -> np.ndarray:
+    """`[layers, 2 (K, V), blocks, bytes_per_block]` uint8 view of a whole CPU cache."""
+    spec = kv_cache.spec
+    flat = kv_cache.flat.view(torch.uint8)
+    return flat.reshape(spec.num_layers, 2, spec.num_blocks, -1).numpy()
 
 
 def as_id_array(block_ids: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:

@@ -1,20 +1,30 @@
 """A minimal ctypes binding to NCCL: unique ids, communicators, grouped point-to-point.
 
-`libnccl.so.2` is searched, in order, in the `nvidia-nccl-cu12` wheel (`nvidia/nccl/lib`),
-in torch's bundled `torch/lib`, then by the system loader. Importing this module needs
-neither CUDA nor NCCL; `load_nccl()` raises `BackendUnavailableError` naming every place
-it looked.
+One NCCL: torch's. A CUDA build of torch depends on the NVIDIA NCCL wheel it was built
+against (`nvidia-nccl-cu12` for CUDA 12 builds, `nvidia-nccl-cu13` for CUDA 13; both install
+`nvidia/nccl/lib/libnccl.so.2`) and loads it when imported, so pdserve pins no NCCL of its
+own (the `gpu` extra has none): a second pin could replace that file with another version.
+`libnccl.so.2` is searched, in order:
+
+1. the NCCL already loaded into this process (torch's, read from `/proc/self/maps`), so
+   the KV transfer and torch never run two NCCLs side by side;
+2. the NVIDIA NCCL wheel's directory (`nvidia/nccl/lib` on the import path);
+3. torch's own `torch/lib` (builds that bundle it);
+4. the system loader (`LD_LIBRARY_PATH`, `ldconfig`).
+
+Importing this module needs neither CUDA nor NCCL; `load_nccl()` raises
+`BackendUnavailableError` naming every place it looked and what to install.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import functools
 import glob
 import importlib.util
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 
 from kvtransfer.base import BackendUnavailableError, KVTransferError
 
@@ -26,33 +36,69 @@ class NcclUniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
 
 
-class NcclDataType(enum.IntEnum):
-    INT8 = 0
-    UINT8 = 1
-    INT32 = 2
-    UINT32 = 3
-    INT64 = 4
-    UINT64 = 5
-    FLOAT16 = 6
-    FLOAT32 = 7
-    FLOAT64 = 8
-    BFLOAT16 = 9
+NCCL_UINT8 = 1  # ncclDataType_t of the raw bytes we move
 
 
 class NcclError(KVTransferError):
     """An NCCL call returned an error code."""
 
 
-def candidate_paths() -> Iterator[str]:
-    """Where `libnccl.so.2` may be, most specific first (files that exist, then bare name)."""
+def loaded_libraries(maps: str) -> list[str]:
+    """Paths of the NCCL libraries mapped into a process, from its `/proc/<pid>/maps` text."""
+    found: list[str] = []
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        path = fields[5] if len(fields) == 6 else ""
+        if os.path.basename(path).startswith("libnccl.so") and path not in found:
+            found.append(path)
+    return found
+
+
+def _process_maps() -> str:
+    if "torch" in sys.modules:  # torch's CUDA build maps its NCCL when imported
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+                return maps.read()
+        except OSError:
+            pass
+    return ""
+
+
+def _package_dirs() -> list[str]:
+    """`nvidia/nccl/lib` under every `nvidia` namespace root on the import path."""
     spec = importlib.util.find_spec("nvidia")
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    for root in roots:
-        yield from sorted(glob.glob(os.path.join(root, "nccl", "lib", "libnccl.so*")))
-    torch_spec = importlib.util.find_spec("torch")
-    if torch_spec is not None and torch_spec.origin:
-        torch_lib = os.path.join(os.path.dirname(torch_spec.origin), "lib")
-        yield from sorted(glob.glob(os.path.join(torch_lib, "libnccl.so*")))
+    return [os.path.join(root, "nccl", "lib") for root in roots]
+
+
+def _torch_lib_dir() -> str | None:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    return os.path.join(os.path.dirname(spec.origin), "lib")
+
+
+def candidate_paths(
+    maps: str | None = None,
+    package_dirs: Sequence[str] | None = None,
+    torch_lib_dir: str | None = None,
+) -> Iterator[str]:
+    """Where `libnccl.so.2` may be, in the order of the module docstring: files that exist
+    (each once), then the bare name for the system loader. The arguments default to this
+    process's maps, the installed `nvidia` packages and torch's `lib` directory."""
+    seen: set[str] = set()
+    groups = [loaded_libraries(_process_maps() if maps is None else maps)]
+    for directory in _package_dirs() if package_dirs is None else package_dirs:
+        groups.append(sorted(glob.glob(os.path.join(directory, "libnccl.so*"))))
+    torch_lib = _torch_lib_dir() if torch_lib_dir is None else torch_lib_dir
+    if torch_lib:
+        groups.append(sorted(glob.glob(os.path.join(torch_lib, "libnccl.so*"))))
+    for group in groups:
+        for path in group:
+            real = os.path.realpath(path)
+            if real not in seen:
+                seen.add(real)
+                yield path
     yield LIBRARY_NAME  # the system loader's search path (LD_LIBRARY_PATH, ldconfig)
 
 
@@ -67,7 +113,6 @@ class NcclLibrary:
             "ncclGetVersion": ([ctypes.POINTER(c_int)], c_int),
             "ncclGetUniqueId": ([ctypes.POINTER(NcclUniqueId)], c_int),
             "ncclCommInitRank": ([ctypes.POINTER(c_void_p), c_int, NcclUniqueId, c_int], c_int),
-            "ncclCommDestroy": ([c_void_p], c_int),
             "ncclCommAbort": ([c_void_p], c_int),
             "ncclSend": ([c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p], c_int),
             "ncclRecv": ([c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p], c_int),
@@ -109,22 +154,15 @@ class NcclLibrary:
         assert comm.value is not None
         return comm.value
 
-    def comm_destroy(self, comm: int) -> None:
-        self._check(self._lib.ncclCommDestroy(ctypes.c_void_p(comm)), "ncclCommDestroy")
-
     def comm_abort(self, comm: int) -> None:
         """Tear a communicator down even with operations stuck on a dead peer."""
         self._check(self._lib.ncclCommAbort(ctypes.c_void_p(comm)), "ncclCommAbort")
 
     def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        self._check(
-            self._lib.ncclSend(ptr, nbytes, NcclDataType.UINT8, peer, comm, stream), "ncclSend"
-        )
+        self._check(self._lib.ncclSend(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclSend")
 
     def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        self._check(
-            self._lib.ncclRecv(ptr, nbytes, NcclDataType.UINT8, peer, comm, stream), "ncclRecv"
-        )
+        self._check(self._lib.ncclRecv(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclRecv")
 
     def group_start(self) -> None:
         self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
@@ -143,6 +181,7 @@ def load_nccl() -> NcclLibrary:
         except OSError as exc:
             tried.append(f"{path} ({exc})")
     raise BackendUnavailableError(
-        "NCCL not found; install nvidia-nccl-cu12 (pip install 'pdserve[gpu]'). Tried: "
+        "NCCL not found: it comes with a CUDA build of torch (which depends on "
+        "nvidia-nccl-cu12 or -cu13); install that torch, not a separate NCCL. Tried: "
         + "; ".join(tried)
     )

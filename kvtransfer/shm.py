@@ -49,15 +49,11 @@ from kvtransfer.base import (
     ChecksumMismatchError,
     KVTransferError,
     PeerLostError,
-    ReleaseFn,
-    TransferOptions,
 )
-from kvtransfer.blockcopy import CopyPlan, block_rows, layer_crc
-from kvtransfer.connections import LayerItem, ReceiverConnection, SenderConnection
-from kvtransfer.stream_receiver import StreamReceiver
-from kvtransfer.stream_sender import StreamSender
+from kvtransfer.blockcopy import CopyPlan, block_rows, cache_rows, layer_crc
+from kvtransfer.sender import LayerItem
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import Header, Kind
+from kvtransfer.wire import Connection, Header, Kind
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdkv-"
@@ -201,129 +197,87 @@ def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until freed
 
 
-class ShmReceiver(StreamReceiver):
-    """Owns the shared-memory KV cache; see the module docstring."""
+class ShmLanding:
+    """Receiving data path: owns the shared-memory KV cache; see the module docstring."""
 
     backend = "shm"
+    remote_writer = True  # the sender process writes our memory itself
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        *,
-        model_id: str,
-        release: ReleaseFn,
-        options: TransferOptions = TransferOptions(),
-        name: str | None = None,
-        epoch: int | None = None,
-    ) -> None:
+    def __init__(self, spec: KVCacheSpec, name: str | None = None) -> None:
         _require_shm()
         sweep_orphans()
-        self._segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
-        owner = _create_segment(self._segment, max(spec.total_bytes, 1))
+        self.segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
+        self.endpoint = f"shm://{self.segment}"
+        owner = _create_segment(self.segment, max(spec.total_bytes, 1))
         owner.close()  # keep the name (and the tracker registration); torch maps it below
         self._owner: SharedMemory | None = owner
         try:
-            flat = map_segment(self._segment, spec.total_bytes)
+            flat = map_segment(self.segment, spec.total_bytes)
             flat.zero_()  # fault every page in now, not during the first transfer
-            kv_cache = KVCache(spec, flat.view(spec.torch_dtype).view(spec.flat_shape))
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(_control_address(self._segment))
-            listener.listen(64)
-            super().__init__(
-                spec,
-                kv_cache,
-                model_id=model_id,
-                release=release,
-                options=options,
-                listener=listener,
-                epoch=epoch,
-            )
+            self.kv_cache = KVCache(spec, flat.view(spec.torch_dtype).view(spec.flat_shape))
+            self._rows = cache_rows(self.kv_cache)
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(_control_address(self.segment))
+            self.listener.listen(64)
         except BaseException:
-            self._unlink()
+            self.close()
             raise
 
-    @property
-    def endpoint(self) -> str:
-        return f"shm://{self._segment}"
+    def welcome(self, conn: Connection) -> dict[str, object]:
+        return {"segment": self.segment, "total_bytes": self.kv_cache.spec.total_bytes}
 
-    @property
-    def segment(self) -> str:
-        return self._segment
-
-    def _welcome_extra(self, conn: SenderConnection) -> dict[str, object]:
-        return {"segment": self._segment, "total_bytes": self.spec.total_bytes}
-
-    def _on_connected(self, conn: SenderConnection, hello: dict[str, object]) -> None:
+    def connected(self, conn: Connection) -> None:
         conn.state["process"] = PeerProcess(conn.fs.sock)
 
-    def _on_fence_timeout(self, record: TransferRecord) -> bool:
-        """Keep the connection open for a late ABORT_ACK: closing it would not stop a
-        stopped sender's copy. Released now only if the sender is already gone."""
-        return self._writer_gone(record)
+    def payload_bytes(self, num_blocks: int) -> int:
+        return 0  # the sender wrote the blocks already
 
-    def _writer_stopped(self, record: TransferRecord, peer_closed: bool) -> bool:
-        """The sender closes its connection only after finishing its transfers (under their
-        write_lock), so its EOF is its word, unless the fence already timed out; a
-        connection we closed proves nothing while the process runs."""
-        return (peer_closed and not record.quarantined) or self._writer_gone(record)
-
-    def _writer_gone(self, record: TransferRecord) -> bool:
-        """The sender closed its connection (process exit closes it too) and its process is
-        no longer running."""
-        conn = record.peer
-        if not isinstance(conn, SenderConnection):
-            return True
-        if conn.alive and not conn.fs.closed:
-            return False
-        process = conn.state.get("process")
-        return not (isinstance(process, PeerProcess) and process.is_running())
-
-    def _receive_layer(
-        self, conn: SenderConnection, record: TransferRecord, header: Header
-    ) -> None:
-        if header.nbytes:
-            conn.fs.discard(header.nbytes)
-            raise KVTransferError("shm LAYER frames carry no payload")
-        if header.has_crc:
-            assert self._rows is not None
-            ids = record.memo(
-                "dst_ids", np.ndarray, lambda: np.asarray(record.block_ids, dtype=np.int64)
+    def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
+        """The layer is in place; with checksums on, verify what the blocks now hold."""
+        if not header.has_crc:
+            return
+        ids = record.cache.get("dst_ids")
+        if not isinstance(ids, np.ndarray):
+            ids = record.cache["dst_ids"] = np.asarray(record.block_ids, dtype=np.int64)
+        crc = layer_crc(self._rows[header.layer, 0], self._rows[header.layer, 1], ids)
+        if crc != header.crc:
+            raise ChecksumMismatchError(
+                f"layer {header.layer} of {record.request_id!r}: crc32 {crc:#010x} in "
+                f"the destination blocks, sender computed {header.crc:#010x}"
             )
-            crc = layer_crc(self._rows[header.layer, 0], self._rows[header.layer, 1], ids)
-            if crc != header.crc:
-                raise ChecksumMismatchError(
-                    f"layer {header.layer} of {record.request_id!r}: crc32 {crc:#010x} in "
-                    f"the destination blocks, sender computed {header.crc:#010x}"
-                )
 
-    def _shutdown(self) -> None:
-        super()._shutdown()
-        self._unlink()
+    def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
+        conn.fs.discard(header.nbytes)
 
-    def _unlink(self) -> None:
+    def fence(self) -> None:
+        pass  # the sender's writes are fenced by its ABORT_ACK or its death
+
+    def writer_running(self, conn: Connection) -> bool:
+        """Whether the sender process, known from the kernel when it connected, still runs."""
+        process = conn.state.get("process")
+        return isinstance(process, PeerProcess) and process.is_running()
+
+    def disconnected(self, conn: Connection) -> None:
+        pass
+
+    def close(self) -> None:
+        """Unlink the segment; the memory itself goes when the last mapping does."""
         owner, self._owner = self._owner, None
         if owner is not None:
             with contextlib.suppress(FileNotFoundError):
-                owner.unlink()  # the memory itself goes when the last mapping does
+                owner.unlink()
 
 
-class ShmSender(StreamSender):
-    """Writes layers into a receiver's mapped segment; see the module docstring."""
+class ShmWriting:
+    """Sending data path: copies layers into a receiver's mapped segment."""
 
     backend = "shm"
 
-    def __init__(
-        self,
-        spec: KVCacheSpec,
-        *,
-        model_id: str,
-        release: ReleaseFn,
-        options: TransferOptions = TransferOptions(),
-    ) -> None:
+    def __init__(self, spec: KVCacheSpec) -> None:
         _require_shm()
-        super().__init__(spec, model_id=model_id, release=release, options=options)
+        self.spec = spec
 
-    def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
+    def open(self, endpoint: str, timeout_s: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -333,10 +287,11 @@ class ShmSender(StreamSender):
             raise
         return sock
 
-    def _on_welcome(self, conn: ReceiverConnection) -> None:
+    def welcome(self, conn: Connection) -> None:
+        """Map the receiver's segment (checked: ours, the size its WELCOME implies)."""
         segment = conn.welcome.get("segment")
-        if segment != _segment_of(conn.endpoint):
-            raise PeerLostError(f"receiver at {conn.endpoint} serves segment {segment!r}")
+        if segment != _segment_of(conn.name):
+            raise PeerLostError(f"receiver at {conn.name} serves segment {segment!r}")
         nbytes = int(str(conn.welcome["total_bytes"]))
         expected = conn.num_blocks * self.spec.bytes_per_block
         if nbytes != expected:
@@ -345,34 +300,29 @@ class ShmSender(StreamSender):
             flat = map_segment(str(segment), nbytes)
         except FileNotFoundError:
             raise PeerLostError(
-                f"receiver at {conn.endpoint} has no shm segment {segment!r} (not created here)"
+                f"receiver at {conn.name} has no shm segment {segment!r} (not created here)"
             ) from None
         except (OSError, ValueError) as exc:
             raise PeerLostError(f"cannot map {segment}: {exc}") from exc
         prefault_writable(flat)  # once per connection, off the transfer's critical path
         conn.state["rows"] = flat.numpy().reshape(self.spec.num_layers, 2, conn.num_blocks, -1)
 
-    def _on_disconnected(self, conn: ReceiverConnection) -> None:
-        conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views
+    def ready(self, k_cache: torch.Tensor) -> object | None:
+        return None
 
-    def _write_layer(
-        self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
+    def write(
+        self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
-        self._write_layers(conn, record, [item])
-
-    def _write_layers(
-        self, conn: ReceiverConnection, record: TransferRecord, items: list[LayerItem]
-    ) -> None:
+        """Copy every queued layer (K and V) into the destination blocks, in one native call
+        for transfers large enough to stream, then send their LAYER frames."""
         rows = conn.state["rows"]
         assert isinstance(rows, np.ndarray)
-        plan = self._plan(conn, record, items[0])
-        src_ids, dst_ids = plan.src_ids, plan.dst_ids
-        row_bytes = self.spec.bytes_per_block_per_layer
+        plan, streaming = self.plan(conn, record, items[0])
         crcs: list[int | None] = []
         with record.write_lock:
             if record.state.is_terminal:
                 return
-            if record.cache["streaming"]:  # all queued layers, K and V, in one native call
+            if streaming:
                 pairs = []
                 for item in items:
                     assert item.k_cache is not None and item.v_cache is not None
@@ -380,41 +330,45 @@ class ShmSender(StreamSender):
                         pairs.append((cache.data_ptr(), rows[item.layer, kv].ctypes.data))
                 ntcopy.copy_rows_many(
                     pairs,
-                    src_ids,
-                    dst_ids,
-                    row_bytes=row_bytes,
+                    plan.src_ids,
+                    plan.dst_ids,
+                    row_bytes=self.spec.bytes_per_block_per_layer,
                     src_num_rows=self.spec.num_blocks,
                     dst_num_rows=conn.num_blocks,
                 )
             for item in items:
                 assert item.k_cache is not None and item.v_cache is not None
                 src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
-                if not record.cache["streaming"]:
+                if not streaming:
                     plan.copy(src_k, rows[item.layer, 0])
                     plan.copy(src_v, rows[item.layer, 1])
-                crcs.append(layer_crc(src_k, src_v, src_ids) if self.checksum else None)
-                if item.layer in self.corrupt_layers:
-                    rows[item.layer, 0, item.ticket.block_ids[0], 0] ^= 0xFF
+                crcs.append(layer_crc(src_k, src_v, plan.src_ids) if checksum else None)
         for item, crc in zip(items, crcs, strict=True):
             conn.fs.send(
                 Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=item.layer, crc=crc
             )
 
-    def _plan(self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem) -> CopyPlan:
-        """The transfer's copy plan (built on its first layer) and whether to stream."""
+    def plan(
+        self, conn: Connection, record: TransferRecord, item: LayerItem
+    ) -> tuple[CopyPlan, bool]:
+        """The transfer's copy plan (built on its first layer, ids checked) and whether to
+        copy with streaming stores."""
         plan = record.cache.get("plan")
-        if isinstance(plan, CopyPlan):
-            return plan
-        assert item.src_ids is not None
-        dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
-        if int(dst_ids.max()) >= conn.num_blocks:
-            raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
-        if int(item.src_ids.min()) < 0 or int(item.src_ids.max()) >= self.spec.num_blocks:
-            raise KVTransferError(f"source block ids outside [0, {self.spec.num_blocks})")
-        plan = CopyPlan.build(item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer)
-        record.cache["plan"] = plan
-        record.cache["streaming"] = ntcopy.worth_streaming(len(dst_ids) * self.spec.bytes_per_block)
-        return plan
+        if not isinstance(plan, CopyPlan):
+            assert item.src_ids is not None
+            dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
+            if int(dst_ids.max()) >= conn.num_blocks:
+                raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
+            if int(item.src_ids.min()) < 0 or int(item.src_ids.max()) >= self.spec.num_blocks:
+                raise KVTransferError(f"source block ids outside [0, {self.spec.num_blocks})")
+            plan = CopyPlan.build(item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer)
+            record.cache["plan"] = plan
+            transfer_bytes = len(dst_ids) * self.spec.bytes_per_block
+            record.cache["streaming"] = ntcopy.worth_streaming(transfer_bytes)
+        return plan, record.cache["streaming"] is True
+
+    def disconnected(self, conn: Connection) -> None:
+        conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views
 
 
 def list_segments() -> list[str]:

@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from kvtransfer.base import (
     KVTransferError,
@@ -36,14 +35,12 @@ from kvtransfer.base import (
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 
 @dataclass(slots=True, eq=False)
 class TransferRecord:
     request_id: str
     block_ids: tuple[int, ...]
-    deadline: float  # wall-clock (time.time())
+    deadline: float  # monotonic (time.monotonic())
     ticket: Ticket | None = None  # sender side: the ticket being served
     state: TransferState = TransferState.PENDING
     error: KVTransferError | None = None
@@ -56,21 +53,11 @@ class TransferRecord:
     ended_at: float = 0.0  # monotonic time of the terminal transition
     # Held by a local thread while it writes (or reads) this request's blocks.
     write_lock: threading.RLock = field(default_factory=threading.RLock)
-    cache: dict[str, object] = field(default_factory=dict)  # backend scratch (copy plans)
+    cache: dict[str, object] = field(default_factory=dict)  # data path scratch (copy plans)
 
     @property
     def num_layers_done(self) -> int:
         return self.layers_mask.bit_count()
-
-    def memo(self, key: str, kind: type[T], make: Callable[[], T]) -> T:
-        """`cache[key]` if it holds a `kind`, else `make()`, stored there for later layers.
-
-        Called by backends on a transfer's layers; freed with the record.
-        """
-        value = self.cache.get(key)
-        if not isinstance(value, kind):
-            value = self.cache[key] = make()
-        return value
 
 
 class TransferTable:
@@ -83,10 +70,10 @@ class TransferTable:
         release_on_done: bool,
         fence_timeout_s: float = 5.0,
         tombstone_ttl_s: float = 120.0,
-        barrier: Callable[[TransferRecord], None] | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self._release = release
-        self._barrier = barrier  # e.g. wait for a GPU stream still writing the blocks
+        self._fence = fence  # e.g. wait for a GPU stream still writing the blocks
         self._release_on_done = release_on_done
         self._fence_timeout_s = fence_timeout_s
         self._tombstone_ttl_s = tombstone_ttl_s
@@ -208,8 +195,8 @@ class TransferTable:
         with record.write_lock:  # a local writer finishes its layer before the blocks go
             pass
         try:
-            if self._barrier is not None:
-                self._barrier(record)
+            if self._fence is not None:
+                self._fence()
             self._release(record.request_id)
         except Exception:
             logger.exception("release(%r) raised", record.request_id)
@@ -259,7 +246,7 @@ class TransferTable:
     # -- housekeeping (reaper) -------------------------------------------------------------
 
     def overdue(self, now: float) -> list[str]:
-        """Ids of non-terminal transfers whose deadline (wall clock) has passed."""
+        """Ids of non-terminal transfers whose deadline (monotonic) has passed."""
         with self._lock:
             return [
                 r.request_id

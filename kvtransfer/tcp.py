@@ -7,25 +7,29 @@ receiver's thread pace them). Neither end copies in user space: the sender gathe
 source rows with `sendmsg` (one buffer per run of consecutive blocks), the receiver
 scatters the payload with `recvmsg_into` straight into the destination blocks. It does so
 holding the record's write_lock, and an ended transfer's blocks stay fenced until the
-sender's ABORT_ACK is read after any frame in flight (see `stream_receiver`).
+sender's ABORT_ACK is read after any frame in flight (see `receiver`).
+
+Addresses: a receiver binds a configured host and names in its tickets the address senders
+reach it at (`advertise_host`: on a cluster, the node's IP); a sender may pick the local
+address its connections leave from.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.base import ChecksumMismatchError, KVTransferError, ReleaseFn, TransferOptions
-from kvtransfer.blockcopy import block_rows, contiguous_runs
-from kvtransfer.connections import LayerItem, ReceiverConnection, SenderConnection
-from kvtransfer.stream_receiver import StreamReceiver
-from kvtransfer.stream_sender import StreamSender
+from engine.kv_cache import KVCache
+from kvtransfer.base import ChecksumMismatchError
+from kvtransfer.blockcopy import block_rows, cache_rows, contiguous_runs
+from kvtransfer.sender import LayerItem
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import Header, Kind
+from kvtransfer.wire import Connection, Header, Kind
 
 
 def parse_endpoint(endpoint: str, scheme: str = "tcp") -> tuple[str, int]:
@@ -37,81 +41,85 @@ def parse_endpoint(endpoint: str, scheme: str = "tcp") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def listen_tcp(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: any free port); SO_REUSEADDR so a restart can rebind."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(64)
-    return listener
+def connect(
+    endpoint: str, timeout_s: float, source_host: str | None, scheme: str = "tcp"
+) -> socket.socket:
+    """A TCP connection to `endpoint`, leaving from `source_host` when given."""
+    source = None if source_host is None else (source_host, 0)
+    return socket.create_connection(parse_endpoint(endpoint, scheme), timeout_s, source)
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or "localhost"."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def listen_advertised(
-    host: str, port: int, advertise_host: str | None
-) -> tuple[socket.socket, tuple[str, int]]:
-    """Called by the tcp and nccl receivers: their listener and the `(host, port)` tickets
-    name (`advertise_host` or `host`, and the port actually bound)."""
-    listener = listen_tcp(host, port)
-    return listener, (advertise_host or host, listener.getsockname()[1])
+    host: str, port: int, advertise_host: str | None, scheme: str
+) -> tuple[socket.socket, str]:
+    """Called by the tcp and nccl landings: a listener bound to `host:port` (port 0: any
+    free port) and the endpoint tickets name: `advertise_host` (else `host`, which must
+    then be a specific address) and the port actually bound."""
+    advertised = advertise_host or host
+    if advertised in WILDCARD_HOSTS:
+        raise ValueError(f"a receiver bound to {host!r} needs an advertise_host senders can reach")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart can rebind
+        listener.bind((host, port))
+        listener.listen(64)
+    except BaseException:
+        listener.close()
+        raise
+    bound = listener.getsockname()[1]
+    address = f"[{advertised}]" if ":" in advertised else advertised
+    return listener, f"{scheme}://{address}:{bound}"
 
 
-def connect_tcp(endpoint: str, timeout_s: float, scheme: str = "tcp") -> socket.socket:
-    host, port = parse_endpoint(endpoint, scheme)
-    return socket.create_connection((host, port), timeout=timeout_s)
-
-
-class TcpReceiver(StreamReceiver):
-    """Listens on `host:port` and lands LAYER payloads into its cache."""
+class TcpLanding:
+    """Receiving data path: listens on `host:port`, scatters LAYER payloads into the cache."""
 
     backend = "tcp"
+    remote_writer = False  # this process lands every byte
 
     def __init__(
         self,
-        spec: KVCacheSpec,
-        kv_cache: KVCache | None = None,
-        *,
-        model_id: str,
-        release: ReleaseFn,
-        options: TransferOptions = TransferOptions(),
+        kv_cache: KVCache,
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
-        epoch: int | None = None,
+        scheme: str = "tcp",
     ) -> None:
-        listener, self._advertised = listen_advertised(host, port, advertise_host)
-        super().__init__(
-            spec,
-            kv_cache,
-            model_id=model_id,
-            release=release,
-            options=options,
-            listener=listener,
-            epoch=epoch,
-        )
+        self.kv_cache = kv_cache
+        self.listener, self.endpoint = listen_advertised(host, port, advertise_host, scheme)
+        self._rows = cache_rows(kv_cache)
 
-    @property
-    def endpoint(self) -> str:
-        host, port = self._advertised
-        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    def welcome(self, conn: Connection) -> dict[str, object]:
+        return {}
 
-    def _layer_payload_bytes(self, num_blocks: int) -> int:
-        return 2 * num_blocks * self.spec.bytes_per_block_per_layer
+    def connected(self, conn: Connection) -> None:
+        pass
 
-    def _receive_layer(
-        self, conn: SenderConnection, record: TransferRecord, header: Header
-    ) -> None:
-        assert self._rows is not None
-        n, row_bytes = len(record.block_ids), self._rows.shape[-1]
-        expected = 2 * n * row_bytes
-        if header.nbytes != expected:
-            conn.fs.discard(header.nbytes)
-            raise KVTransferError(f"layer payload of {header.nbytes} bytes, expected {expected}")
-        runs = record.memo("runs", list, lambda: _id_runs(record.block_ids))
+    def payload_bytes(self, num_blocks: int) -> int:
+        return 2 * num_blocks * self.kv_cache.spec.bytes_per_block_per_layer
+
+    def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
+        runs = record.cache.get("runs")
+        if not isinstance(runs, list):
+            runs = record.cache["runs"] = _id_runs(record.block_ids)
         layer = header.layer
         with record.write_lock:
             if record.state.is_terminal:
-                conn.fs.discard(expected)
+                conn.fs.discard(header.nbytes)
                 return
             views = _layer_views(self._rows[layer, 0], self._rows[layer, 1], runs)
             conn.fs.recv_views(views)
@@ -123,37 +131,69 @@ class TcpReceiver(StreamReceiver):
                         f"sender computed {header.crc:#010x}"
                     )
 
+    def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
+        conn.fs.discard(header.nbytes)
 
-class TcpSender(StreamSender):
-    """Streams each layer as one LAYER frame to `tcp://host:port`."""
+    def fence(self) -> None:
+        pass  # landing is synchronous, under the record's write_lock
+
+    def writer_running(self, conn: Connection) -> bool:
+        return False
+
+    def disconnected(self, conn: Connection) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TcpWriting:
+    """Sending data path: each layer goes as one LAYER frame, gathered from the cache.
+
+    `host`, when set, is the local address connections leave from (a multi-homed node).
+    """
 
     backend = "tcp"
 
-    def _open_socket(self, endpoint: str, timeout_s: float) -> socket.socket:
-        return connect_tcp(endpoint, timeout_s)
+    def __init__(self, host: str | None = None) -> None:
+        self.host = host
 
-    def _write_layer(
-        self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
+    def open(self, endpoint: str, timeout_s: float) -> socket.socket:
+        return connect(endpoint, timeout_s, self.host)
+
+    def welcome(self, conn: Connection) -> None:
+        pass
+
+    def ready(self, k_cache: torch.Tensor) -> object | None:
+        return None
+
+    def write(
+        self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
+        for item in items:
+            assert item.k_cache is not None and item.v_cache is not None
+            parts = self.payload(record, item)
+            if record.state.is_terminal:
+                return
+            conn.fs.send(
+                Kind.LAYER,
+                record.request_id,
+                epoch=item.ticket.epoch,
+                layer=item.layer,
+                crc=_crc(parts) if checksum else None,
+                payload=parts,
+            )
+
+    def payload(self, record: TransferRecord, item: LayerItem) -> list[memoryview]:
+        """The layer's LAYER payload as views into the source cache (no copy)."""
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
-        src_ids = item.src_ids
-        runs = record.memo("runs", list, lambda: _id_runs(src_ids))
-        parts = _layer_views(block_rows(item.k_cache), block_rows(item.v_cache), runs)
-        crc = _crc(parts) if self.checksum else None
-        if item.layer in self.corrupt_layers:  # test hook: damage a copy, never the cache
-            damaged = bytearray(b"".join(parts))
-            damaged[0] ^= 0xFF
-            parts = [memoryview(damaged)]
-        if record.state.is_terminal:
-            return
-        conn.fs.send(
-            Kind.LAYER,
-            record.request_id,
-            epoch=item.ticket.epoch,
-            layer=item.layer,
-            crc=crc,
-            payload=parts,
-        )
+        runs = record.cache.get("runs")
+        if not isinstance(runs, list):
+            runs = record.cache["runs"] = _id_runs(item.src_ids)
+        return _layer_views(block_rows(item.k_cache), block_rows(item.v_cache), runs)
+
+    def disconnected(self, conn: Connection) -> None:
+        pass
 
 
 def _id_runs(block_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:

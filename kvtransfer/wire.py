@@ -23,6 +23,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtransfer.base import PeerLostError, PeerTimeoutError, ProtocolError
@@ -236,6 +237,25 @@ class FrameSocket:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+class Connection:
+    """One control connection, as either end holds it: the socket, liveness, and the data
+    path's per-connection state (the shm mapping, the NCCL communicator and staging)."""
+
+    def __init__(self, fs: FrameSocket, name: str) -> None:
+        self.fs = fs
+        self.name = name  # the receiver's endpoint (sender side) or the socket's fd
+        self.alive = True
+        self.last_used = time.monotonic()  # last frame read (receiver) or use (sender)
+        self.thread: threading.Thread | None = None  # reads this connection's frames
+        self.state: dict[str, object] = {}  # data path's per-connection state
+        # Sender side: the receiver's WELCOME, its incarnation and cache size, and BEGINs
+        # awaiting an answer.
+        self.welcome: dict[str, object] = {}
+        self.epoch = 0
+        self.num_blocks = 0
+        self.pending: dict[str, Future[None]] = {}
 
 
 _KINDS = frozenset(int(k) for k in Kind)

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.replica import EngineReplica, ObserverFactory
 from engine.scheduler import SchedulerOutput
 from engine.signals import RecentSamples, busy_seconds, prefill_signals
-from kvtransfer import KVSender, KVTransferError, Ticket, TransferOptions, TransferState
+from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
 from prefill.protocol import PrefillRequest, PrefillResult
 from prefill.trace import PrefillTrace
@@ -43,20 +43,25 @@ class PrefillServer:
         pool: str = "prefill",
         telemetry: Callable[[str], object] | None = None,
         observers: Sequence[ObserverFactory] = (),
+        cpu_affinity: Sequence[int] | None = None,
+        source_host: str | None = None,
     ) -> None:
         """`telemetry(role)`, when given, sets up this process's tracing first (once);
-        each of `observers` is called with `stats` once the replica is built."""
+        each of `observers` is called with `stats` once the replica is built;
+        `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`); tcp
+        connections to decode replicas leave from `source_host` when given."""
         if telemetry is not None:
             telemetry(f"prefill:{pool}")
         self.pool = pool
-        self.replica = EngineReplica(f"prefill:{pool}", engine_config)
+        self.replica = EngineReplica(f"prefill:{pool}", engine_config, cpu_affinity=cpu_affinity)
         self.engine = self.replica.engine
-        self.sender: KVSender = create_kv_sender(
+        self.sender: Sender = create_kv_sender(
             backend,
             self.engine.kv_spec,
             model_id=self.replica.model_id,
             release=self._on_release,
             options=transfer_options,
+            host=source_host if backend == "tcp" else None,
         )
         self._tickets: dict[str, Ticket] = {}
         self._traces: dict[str, PrefillTrace] = {}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks for KV transfer: the @gpu tests, then the transfer benchmark, as a short table.
+# GPU checks: the @gpu KV-transfer tests, tensor parallelism over two GPUs (skipped with
+# fewer), then the transfer benchmark, as a short table.
 # Installs nothing; needs the repo's Python env (torch with CUDA, nvidia-nccl-cu12 or
 # torch's bundled NCCL). Finishes in a few minutes; each step has its own time limit.
 set -uo pipefail
@@ -26,6 +27,12 @@ PY
 echo "== gpu tests"
 timeout 300 "$PY" -m pytest -m gpu tests/kvtransfer -q -p no:cacheprovider -rs 2>&1 | tail -15
 tests_rc=${PIPESTATUS[0]}
+
+echo "== tensor parallelism (GPU-only: NCCL ranks on cuda:0..1; skipped with under 2 GPUs)"
+timeout 300 "$PY" -m pytest -m gpu tests/engine/test_tensor_parallel.py -q -p no:cacheprovider \
+  -rs 2>&1 | tail -5
+tp_rc=${PIPESTATUS[0]}
+[ "$tests_rc" -eq 0 ] && tests_rc=$tp_rc
 
 echo "== transfer benchmark (135M-class shape: 30 layers, 3 kv heads, head_dim 64, fp32)"
 cat > "$work/config.json" <<'JSON'

@@ -99,6 +99,12 @@ class SLOClass(_Strict):
         description="Priority at the ingress queue, the prefill queue, decode admission and "
         "preemption; lower = more important (preempted last)."
     )
+    degradable: bool = Field(
+        default=False,
+        description="Requests of this class that the primary pools would refuse as overloaded "
+        "(shed, or a decode pool's queue full) are served by the fallback pool's model "
+        "instead (response header x-pdserve-fallback); needs a pool with fallback: true.",
+    )
 
 
 class AdmissionSettings(_Strict):

@@ -96,12 +96,17 @@ def tenant_quotas(tenants: Sequence[TenantConfig]) -> dict[str, tuple[TenantQuot
     }
 
 
-def decode_pool_blocks(config: PDServeConfig, model_config: ModelConfig) -> dict[str, int]:
+def decode_pool_blocks(
+    config: PDServeConfig, model_config: ModelConfig, fallback_config: ModelConfig | None = None
+) -> dict[str, int]:
     """KV blocks of each decode pool: one replica's blocks x its replicas (the fixed count,
-    or the autoscaling minimum: the share must hold even at the smallest size)."""
+    or the autoscaling minimum: the share must hold even at the smallest size).
+    `fallback_config`: the fallback pool's own model (required when there is one)."""
     blocks: dict[str, int] = {}
     for pool in config.pools_by_role("decode"):
-        spec = KVCacheSpec.for_engine(config.engine_config(pool), model_config)
+        own = fallback_config if pool.fallback else model_config
+        assert own is not None, f"fallback pool {pool.name} needs its model config"
+        spec = KVCacheSpec.for_engine(config.engine_config(pool), own)
         replicas = pool.autoscaling.min_replicas if pool.autoscaling else pool.num_replicas
         blocks[pool.name] = spec.num_blocks * (replicas or 1)
     return blocks

@@ -1,4 +1,5 @@
-"""The ingress's view of each prefill pool's load, started in the background.
+"""The ingress's view of each pool's load (prefill pools; decode pools too for adaptive
+disaggregation), started in the background.
 
 The load itself arrives without any call on the request path: this process's replica
 routers (`app/replica_router.py`) publish each pool's replicas and routing stats into
@@ -6,7 +7,9 @@ routers (`app/replica_router.py`) publish each pool's replicas and routing stats
 handle has been used, and the ingress never calls the prefill pools on its own, so a
 background task here calls each pool's `record_routing_stats` (bounded by a timeout) until
 the pool has a view; after that Serve keeps it fresh. A pool that does not answer stays
-without a view: nothing is shed on missing data.
+without a view: nothing is shed on missing data. Load shedding needs the prefill pools;
+`watch` adds pools (adaptive disaggregation's decode pools) and keeps the refresher on
+whether or not shedding is.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from decode.placement import PoolSnapshot, PoolView, pool_view
 
 
 class PoolLoadMonitor:
-    """Pool name -> its latest `PoolSnapshot`, for the prefill pools given."""
+    """Pool name -> its latest `PoolSnapshot`, for the pools given (and those watched)."""
 
     def __init__(
         self,
@@ -33,11 +36,18 @@ class PoolLoadMonitor:
         self._settings = settings
         self._view = view
         self._task: asyncio.Task[None] | None = None
+        self._watched = False  # a caller besides load shedding needs the views
+
+    def watch(self, handles: Mapping[str, Any]) -> None:
+        """Also get a view of these pools, and refresh views even when shedding is off.
+        Call before the first `snapshot`."""
+        self._handles.update(handles)
+        self._watched = True
 
     def snapshot(self, pool: str) -> PoolSnapshot | None:
         """The pool's latest load (never waits). Call on the event loop: the first call
         starts the background refresher."""
-        if self._task is None and self._settings.enabled and self._handles:
+        if self._task is None and (self._settings.enabled or self._watched) and self._handles:
             self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
         return self._view.get(pool)
 

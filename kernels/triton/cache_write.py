@@ -1,4 +1,5 @@
-"""Triton cache write: one program per token copies its K and V rows into their slot."""
+"""Triton cache write: one program per token copies its K and V rows into their slot
+(dividing by the per-head scales and casting to FP8 for an FP8 cache)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def _cache_write_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_kd,
@@ -33,6 +36,7 @@ def _cache_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -50,6 +54,15 @@ def _cache_write_kernel(
         value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd,
         mask=mask,
     )
+    if IS_FP8:
+        # [BLOCK_H, 1] per-head scales; div_rn rounds as torch does (plain / is approximate
+        # on CUDA); clamp first: casting past 448 gives NaN on CUDA
+        k_scale = tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)[:, None]
+        v_scale = tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)[:, None]
+        k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), k_scale), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -448.0), 448.0)
+        k = k.to(k_cache_ptr.dtype.element_ty)
+        v = v.to(v_cache_ptr.dtype.element_ty)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs
     tl.store(k_dst + heads[:, None] * stride_kch + dims[None, :] * stride_kcd, k, mask=mask)
@@ -62,15 +75,20 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """`kernels.cache_write.write_kv_cache` in Triton; arguments already checked."""
     num_tokens, num_kv_heads, head_dim = key.shape
+    is_fp8 = k_scale is not None and v_scale is not None
     _cache_write_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if is_fp8 else slot_mapping,  # unread unless IS_FP8
+        v_scale if is_fp8 else slot_mapping,
         *key.stride(),
         *value.stride(),
         *k_cache.stride(),
@@ -80,4 +98,5 @@ def write_kv_cache_triton(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        IS_FP8=is_fp8,
     )

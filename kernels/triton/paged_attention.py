@@ -5,6 +5,8 @@ tile, so each K/V element it loads serves the whole group (GQA without copies), 
 sequence's context `TILE_N` keys at a time through its block table with an online softmax in
 float32. Keys after a row's own position are masked (causal, offset by the cached prefix).
 Decode (one token per sequence) is the same kernel with `BLOCK_Q` tokens of which one is real.
+An FP8 cache's values convert exactly to the query's dtype; the program's kv head has one K
+and one V scale, applied to the scores and to the output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     stride_qt,
     stride_qh,
@@ -49,6 +53,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,6 +81,12 @@ def _paged_attention_kernel(
         )
         # [BLOCK_Q * BLOCK_G, BLOCK_D]
         q = tl.load(q_ptrs, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+        score_scale = scale
+        out_scale = 1.0
+        if IS_FP8:
+            score_scale = scale * tl.load(k_scale_ptr + kv_head)
+            out_scale = tl.load(v_scale_ptr + kv_head)
 
         m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
@@ -112,8 +123,11 @@ def _paged_attention_kernel(
                 mask=kv_mask,
                 other=0.0,
             )
+            if IS_FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             # [BLOCK_Q * BLOCK_G, TILE_N]
-            scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * score_scale
             allowed = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
             scores = tl.where(allowed, scores, float("-inf"))
             # every row sees key 0 in the first tile, so m_new is finite from then on
@@ -124,7 +138,7 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
             m_i = m_new
 
-        out = acc / l_i[:, None]
+        out = acc * (out_scale / l_i[:, None])
         o_ptrs = (
             out_ptr
             + (query_start + token).to(tl.int64)[:, None] * stride_ot
@@ -144,6 +158,8 @@ def paged_attention_triton(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention.paged_attention` in Triton; arguments already checked."""
     num_tokens, num_heads, head_dim = query.shape
@@ -152,6 +168,7 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
+    is_fp8 = k_scale is not None and v_scale is not None
     block_g = triton.next_power_of_2(group)
     max_query_len = max(metadata.query_lens_list)
     # tl.dot wants >= 16 rows; decode fills them with masked tokens, prefill takes 64
@@ -166,6 +183,8 @@ def paged_attention_triton(
         metadata.block_tables,
         metadata.seq_lens,
         metadata.query_start_loc,
+        k_scale if is_fp8 else metadata.seq_lens,  # unread unless IS_FP8
+        v_scale if is_fp8 else metadata.seq_lens,
         scale,
         *query.stride(),
         *out.stride(),
@@ -180,5 +199,6 @@ def paged_attention_triton(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         TILE_N=max(32, triton.next_power_of_2(block_size)),
         INPUT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        IS_FP8=is_fp8,
     )
     return out

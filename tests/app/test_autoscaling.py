@@ -3,18 +3,23 @@ noisy flat; plus the Serve entry points on a real `AutoscalingContext`."""
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 from collections.abc import Callable, Sequence
 
+import pytest
 from ray.serve.config import AutoscalingContext
 
 from app.autoscaling import (
+    SCALING_EVENT,
     DecodePolicy,
     Demand,
     PolicyKnobs,
     PrefillPolicy,
     decide,
     decode_demand,
+    logger,
     per_replica,
     prefill_demand,
 )
@@ -118,20 +123,32 @@ def test_prefill_demand_is_queue_wait_over_budget() -> None:
     assert demand.replicas == 3.0 and not demand.breached and demand.calm
     unmeasured = [{"queued_prompt_tokens": 1000.0, "prefill_tokens_per_s": 0.0}]
     assert prefill_demand(unmeasured, PolicyKnobs(prefill_tokens_per_s=500)).replicas == 4.0
-    slow = prefill_demand(_prefill_signals(0, 1500, 1), KNOBS)
-    assert slow.breached and not slow.calm and slow.replicas == 0
+    # TTFT over the SLO is a breach while the queue is past the hysteresis band (0.6 of
+    # the 500-token budget per replica), not with nothing queued (a slow or cold replica).
+    slow = prefill_demand(_prefill_signals(400, 1500, 1), KNOBS)
+    assert slow.breached and not slow.calm and slow.replicas == 0.8
+    assert slow.signal(1, 2) == "ttft_p90" and slow.breach_signal == "ttft_p90"
+    idle_but_slow = prefill_demand(_prefill_signals(0, 1500, 1), KNOBS)
+    assert not idle_but_slow.breached and idle_but_slow.calm
+    assert demand.load_signal == "queue_wait" and demand.signal(2, 3) == "queue_wait"
+    assert demand.values["predicted_wait_ms"] == 750.0  # 1500 tokens / (2 x 1000 tok/s)
 
 
 def test_decode_demand_is_kv_usage_over_target() -> None:
     demand = decode_demand(_decode_signals(140, 30, 2), KNOBS)  # 140 of 200 blocks at 0.7
     assert demand.replicas == 2.0 and not demand.breached and demand.calm
-    assert decode_demand(_decode_signals(10, 150, 1), KNOBS).breached  # ITL over SLO
+    assert demand.load_signal == "kv_usage" and demand.values["kv_usage"] == 0.7
+    slow = decode_demand(_decode_signals(50, 150, 1), KNOBS)  # ITL over SLO, KV past band
+    assert slow.breached and slow.signal(1, 2) == "itl_p90"
+    assert not decode_demand(_decode_signals(10, 150, 1), KNOBS).breached  # nearly idle
     queued = _decode_signals(10, 30, 1)
     queued[0]["num_waiting"] = 3.0
     assert decode_demand(queued, KNOBS).breached
+    assert decode_demand(queued, KNOBS).signal(1, 2) == "waiting"
     seqs = [{**s, "num_running": 12.0} for s in _decode_signals(10, 30, 2)]
     knobs = PolicyKnobs(target_running_seqs=8)
     assert decode_demand(seqs, knobs).replicas == 3.0
+    assert decode_demand(seqs, knobs).signal(2, 3) == "running_seqs"
 
 
 def test_ramp_up_scales_up_to_max_and_never_down() -> None:
@@ -171,6 +188,64 @@ def test_noisy_flat_load_holds_steady() -> None:
         series = [level * (1 + rng.uniform(-0.15, 0.15)) for _ in range(300)]
         counts = _run(series, run, start=2)
         assert set(counts) == {2}, counts
+
+
+def test_cold_start_latency_at_low_load_never_scales() -> None:
+    # A fresh pool's first requests are slow (lazy initialisation): its latency p90 sits
+    # far over the SLO for a window's length while hardly anything is queued or running.
+    cold = [1] * 30 + [0] * 30  # 1: the window still holds the cold samples
+
+    def prefill_run(is_cold: float, n: int) -> Demand:
+        return prefill_demand(_prefill_signals(40.0, 2500.0 if is_cold else 80.0, n), KNOBS)
+
+    def decode_run(is_cold: float, n: int) -> Demand:
+        return decode_demand(_decode_signals(8.0, 400.0 if is_cold else 15.0, n), KNOBS)
+
+    for run in (prefill_run, decode_run):
+        assert set(_run([float(c) for c in cold], run)) == {MIN}
+        # Nor does a fresh replica's cold latency keep a pool up once its load is gone.
+        after_peak = _run([float(c) for c in cold], run, start=2)
+        assert after_peak[-1] == MIN and after_peak.index(MIN) < len(cold)
+
+
+def test_a_real_overload_still_breaches_on_latency() -> None:
+    # The queue is past the band but the measured rate is optimistic: the demand alone
+    # fits one replica, the TTFT over the SLO adds the second.
+    signals = _prefill_signals(450.0, 1800.0, 1)
+    demand = prefill_demand(signals, KNOBS)
+    assert demand.replicas < 1 and demand.breached
+    assert _run([1.0] * 3, lambda _, n: prefill_demand(signals, KNOBS)) == [2, 2, 2]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_policy_logs_each_decision_once_with_its_signal() -> None:
+    policy = DecodePolicy(**{**AutoscalingSettings(max_replicas=4).policy_knobs()})
+    full = {"kv_blocks_used": {"a": 90.0}, "kv_blocks_total": {"a": 100.0}, "itl_p90_ms": {"a": 5}}
+    state: dict[str, object] = {}
+    handler = _Lines()  # Serve's logger does not propagate to the root (caplog's) handler
+    logger.addHandler(handler)
+    try:
+        for tick in range(3):  # Serve calls again while its upscale delay holds the decision
+            desired, state = policy(_context(full, 1, policy_state=state, current_time=tick))
+            assert desired == 2
+        calm = {"kv_blocks_used": {"a": 1.0}, "kv_blocks_total": {"a": 100.0}}
+        assert policy(_context(calm, 1, policy_state=state))[1]["decision"] is None
+    finally:
+        logger.removeHandler(handler)
+    lines = [line for line in handler.lines if SCALING_EVENT in line]
+    assert len(lines) == 1
+    record = json.loads(lines[0].split(SCALING_EVENT, 1)[1])
+    assert record["pool"] == "p" and record["app"] == "pdserve"
+    assert (record["current"], record["desired"], record["signal"]) == (1, 2, "kv_usage")
+    assert record["kv_usage"] == 0.9 and record["demand_replicas"] == pytest.approx(1.286, 1e-3)
 
 
 def _context(metrics: dict[str, dict[str, float]], current: int, **kwargs: object) -> object:

@@ -1,4 +1,5 @@
-"""A redeploy during long streams completes every stream (drain).
+"""A redeploy during long streams completes every stream (drain), and a redeploy keeps the
+app's KV-transfer secret (an old decode replica can still use a new prefill replica).
 
 Streams are started, and once each has produced tokens the app is redeployed with a
 changed engine setting, which replaces every replica (ingress, prefill, decode). The old
@@ -8,6 +9,7 @@ the new ones start: every stream must finish with exactly `transformers`' greedy
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -97,3 +99,28 @@ def test_redeploy_during_long_streams_completes_every_stream(
     # The new generation serves, with the same output.
     again = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     assert again.choices[0].text == hf.complete(PROMPTS[0], 8).text
+
+
+def _transfer_options(app: Any) -> list[Any]:
+    """The `TransferOptions` bound to every pool deployment of a built app (Serve's bound
+    arguments: the ingress takes the config dump, then the decode and prefill pools)."""
+    _, decode, prefill = app._bound_deployment.init_args
+    return [pool._bound_deployment.init_args[2] for pool in (*decode.values(), *prefill.values())]
+
+
+def test_redeploy_keeps_the_kv_secret_of_the_app(server: Server, model_dir: Path) -> None:
+    from app.main import build_app, kv_secret
+
+    # `server` holds the module's Ray instance; the running app was built on it.
+    before = build_app(pdserve_args(model_dir))
+    after = build_app(pdserve_args(model_dir, max_num_seqs=17))  # a redeploy's build
+    secrets = {options.secret for options in _transfer_options(before) + _transfer_options(after)}
+    assert secrets == {kv_secret("pdserve")}
+    (secret,) = secrets
+    assert secret is not None and len(secret) >= 32
+    other = {**pdserve_args(model_dir), "app_name": "another-app"}
+    assert {options.secret for options in _transfer_options(build_app(other))} != secrets
+    # Never in the config the ingress gets (its /stats and logs show that), nor in a repr.
+    config_dump = after._bound_deployment.init_args[0]
+    assert secret not in json.dumps(config_dump)
+    assert all(secret not in repr(options) for options in _transfer_options(after))

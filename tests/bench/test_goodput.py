@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.compare import common_rate, derive_slo, plot
+from bench.compare import derive_slo, parse_args, plan_slos, point
+from bench.compare_report import common_rate, plot
 from bench.goodput import goodput_report, interpolate_goodput, next_rate, parse_rates, sweep
-from bench.loadgen import normalize_base_url
+from bench.loadgen import RunResult, normalize_base_url
+from bench.metrics import SLO, RequestRecord
+from bench.stats import wilson_interval
 
 
 def test_interpolates_between_bracketing_rates() -> None:
@@ -114,30 +118,114 @@ def test_common_rate_is_where_the_configs_differ() -> None:
     assert common_rate(pts, 0.9) == 1  # no common rate: the lowest of all
 
 
-def test_plots_are_written(tmp_path: Path) -> None:
-    rec = {
-        "index": 0,
-        "label": "short",
+def record(index: int, label: str, ttft: float, tpot: float) -> dict[str, Any]:
+    """A 3-token request: first token at `ttft` s, then one every `tpot` s."""
+    chunks = [ttft, ttft + tpot, ttft + 2 * tpot]
+    end = chunks[-1]
+    return {
+        "index": index,
+        "label": label,
         "input_len": 8,
         "max_tokens": 3,
         "arrival_s": 0.0,
         "start_s": 0.0,
-        "first_token_s": 0.1,
-        "end_s": 0.3,
-        "chunk_times_s": [0.1, 0.2, 0.3],
+        "first_token_s": ttft,
+        "end_s": end,
+        "chunk_times_s": chunks,
         "output_tokens": 3,
         "success": True,
     }
-    pts = {
-        name: [{"rate": 1.0, "attainment": 1.0, "records": [rec]}]
-        for name in ("disagg", "colocated")
+
+
+def compare_args(*argv: str) -> argparse.Namespace:
+    return parse_args(["--json", "out.json", *argv])
+
+
+def test_shared_slo_plan_derives_from_isolated_figures() -> None:
+    args = compare_args("--workload", "mixed", "--k-ttft", "3", "--k-tpot", "2")
+    isolated = {
+        "short": {"ttft_ms": 100.0, "tpot_ms": 20.0},
+        "long": {"ttft_ms": 1000.0, "tpot_ms": 25.0},
     }
-    result = {
-        "slo": {"ttft_ms": 200.0, "tpot_ms": 50.0},
+    plan, shared, how = plan_slos(args, isolated)
+    assert shared == SLO(3000.0, 40.0)
+    assert plan == {"short": shared, "long": shared}
+    given = compare_args("--workload", "mixed", "--slo-tpot", "55")
+    assert plan_slos(given, isolated)[1] == SLO(3000.0, 55.0)
+
+
+def test_per_class_slo_plan_for_multi_tenant() -> None:
+    args = compare_args("--workload", "multi-tenant", "--batch-slo-factor", "4")
+    isolated = {
+        "interactive": {"ttft_ms": 100.0, "tpot_ms": 20.0},
+        "batch": {"ttft_ms": 1000.0, "tpot_ms": 25.0},
+    }
+    plan, shared, _ = plan_slos(args, isolated)
+    assert shared is None
+    assert plan == {"interactive": SLO(300.0, 30.0), "batch": SLO(12000.0, 150.0)}
+
+
+def test_point_counts_each_class_against_its_own_slo() -> None:
+    # interactive: 9 of 10 meet TTFT 300 ms / TPOT 30 ms; batch: 1 of 2 (one too slow).
+    rows = [record(i, "interactive", 0.1, 0.02) for i in range(9)]
+    rows += [record(9, "interactive", 0.5, 0.02)]
+    rows += [record(10, "batch", 1.0, 0.1), record(11, "batch", 1.0, 0.2)]
+    result = RunResult([RequestRecord.from_dict(r) for r in rows], duration_s=5.0)
+    plan = {"interactive": SLO(300.0, 30.0), "batch": SLO(12000.0, 150.0)}
+    out = point(result, plan, None, None, 0.95)
+    assert out["classes"]["interactive"]["met"] == 9 and out["classes"]["batch"]["met"] == 1
+    assert out["attainment"] == pytest.approx(0.5)  # the worst class
+    assert out["attainment_ci"] == pytest.approx(list(wilson_interval(1, 2)))
+    assert out["num_requests"] == 12 and len(out["records"]) == 12
+    slo = SLO(300.0, 30.0)
+    shared = point(result, {"interactive": slo, "batch": slo}, slo, None, 0.95)
+    assert list(shared["classes"]) == ["all"]
+    assert shared["attainment"] == pytest.approx(9 / 12)
+    assert shared["attainment"] == shared["summary"]["slo"]["attainment"]
+
+
+def test_compare_arguments_are_checked() -> None:
+    with pytest.raises(SystemExit):
+        compare_args("--configs", "cpu-disagg")  # needs a baseline
+    with pytest.raises(SystemExit):
+        compare_args("--rates", "1,2")  # compare searches the knee itself
+    with pytest.raises(SystemExit):
+        compare_args("--seeds", "0")
+    args = compare_args("--configs", "a,b,c", "--replica-cores", "0-1")
+    assert args.names == ["a", "b", "c"] and args.replica_cores == [0, 1]
+    assert (args.seeds, args.requests_per_point, args.max_points) == (3, 100, 10)
+
+
+def test_plots_are_written(tmp_path: Path) -> None:
+    def run(rate: float, attainment: float) -> dict[str, Any]:
+        pt = {
+            "rate": rate,
+            "attainment": attainment,
+            "attainment_ci": [attainment - 0.05, min(1.0, attainment + 0.05)],
+            "records": [record(0, "short", 0.1, 0.05)],
+        }
+        return {"points": [pt]}
+
+    document = {
+        "workload": {"workload": "mixed"},
+        "slo": {"shared": {"ttft_ms": 200.0, "tpot_ms": 50.0}},
         "target": 0.9,
-        "goodput": {"disagg": 1.0, "colocated": 1.0},
+        "confidence": 0.95,
+        "goodput": {
+            name: {"mean": 1.0, "ci": [0.8, 1.2], "per_run": [0.9, 1.1]}
+            for name in ("disagg", "colocated")
+        },
+        "ratio": 1.0,
+        "ratio_ci": [0.7, 1.4],
         "common_rate": 1.0,
+        "runs": {"disagg": [run(1.0, 1.0)], "colocated": [run(1.0, 0.8)]},
     }
-    paths = plot(result, pts, tmp_path, "cmp")
-    assert len(paths) == 4
+    paths = plot(document, tmp_path, "cmp")
+    assert [Path(p).name for p in paths] == [
+        "cmp_attainment.png",
+        "cmp_goodput.png",
+        "cmp_ttft_cdf.png",
+        "cmp_tpot_cdf.png",
+        "cmp_itl_cdf.png",
+    ]
     assert all(Path(p).stat().st_size > 1000 for p in paths)

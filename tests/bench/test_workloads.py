@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -11,12 +12,17 @@ import pytest
 from bench.workloads import (
     FixedWorkload,
     MixedWorkload,
+    RequestSpec,
+    add_workload_args,
     arrival_offsets,
+    class_shapes,
+    describe_workload,
     interarrival_times,
     make_prompt,
     read_trace,
     schedule,
     schedule_trace,
+    workload_from_args,
 )
 
 N = 20_000
@@ -134,3 +140,67 @@ def test_trace(tmp_path: Path) -> None:
     path.write_text(json.dumps({"prompt": "x", "arrival_s": 0}) + "\n")
     with pytest.raises(ValueError, match="max_tokens"):
         read_trace(path)
+
+
+def workload_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_workload_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def sample_labels(args: argparse.Namespace, n: int = 2000) -> list[RequestSpec]:
+    workload = workload_from_args(args)
+    rng = np.random.default_rng(5)
+    return [workload.sample(rng) for _ in range(n)]
+
+
+def test_chat_sends_short_prompts_only() -> None:
+    args = workload_args("--workload", "chat", "--short-input-len", "64")
+    specs = sample_labels(args)
+    assert {s.label for s in specs} == {"chat"}
+    assert all(48 <= s.input_len <= 80 and s.max_tokens == 128 for s in specs)
+    assert list(class_shapes(args)) == ["chat"]
+
+
+def test_long_context_sends_long_prompts_with_short_answers() -> None:
+    args = workload_args("--workload", "long-context")
+    specs = sample_labels(args)
+    assert {s.label for s in specs} == {"long"}
+    assert all(2048 <= s.input_len <= 4096 and s.max_tokens == 16 for s in specs)
+    shapes = class_shapes(args)
+    assert list(shapes) == ["long"] and shapes["long"].input_len == 4096
+
+
+def test_multi_tenant_mixes_interactive_and_batch() -> None:
+    args = workload_args("--workload", "multi-tenant", "--long-input-min", "600")
+    specs = sample_labels(args)
+    batch = [s for s in specs if s.label == "batch"]
+    assert {s.label for s in specs} == {"interactive", "batch"}
+    assert len(batch) / len(specs) == pytest.approx(0.25, abs=0.03)
+    assert all(600 <= s.input_len <= 4096 and s.max_tokens == 64 for s in batch)
+    assert list(class_shapes(args)) == ["interactive", "batch"]
+    described = describe_workload(args)
+    assert described["labels"] == ["interactive", "batch"]
+    assert (described["long_input_min"], described["long_share"]) == (600, 0.25)
+
+
+def test_mixed_keeps_its_defaults() -> None:
+    args = workload_args()
+    described = describe_workload(args)
+    assert described["workload"] == "mixed" and described["labels"] == ["short", "long"]
+    assert (described["short_input_len"], described["long_input_max"]) == (256, 4096)
+    assert described["long_share"] == 0.15
+    assert list(class_shapes(args)) == ["short", "long"]
+
+
+def test_schedule_by_count_sends_exactly_that_many_at_the_rate() -> None:
+    workload = FixedWorkload(16, 4)
+    requests = schedule(workload, 4.0, 0.0, "poisson", seed=3, num_requests=2000)
+    offsets = [r.arrival_s for r in requests]
+    assert len(requests) == 2000 and offsets[0] == 0.0
+    assert offsets == sorted(offsets)
+    assert offsets[-1] / 1999 == pytest.approx(0.25, rel=0.06)
+    constant = schedule(workload, 2.0, 0.0, "constant", num_requests=5)
+    assert [r.arrival_s for r in constant] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0])
+    with pytest.raises(ValueError, match="num_requests"):
+        schedule(workload, 1.0, 0.0, num_requests=0)

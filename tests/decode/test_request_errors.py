@@ -55,9 +55,9 @@ def expected(model_dir: Path) -> list[list[int]]:
 @pytest.fixture()
 def servers(model_dir: Path) -> Iterator[tuple[PrefillServer, DecodeServer]]:
     config = EngineConfig(model_dir=str(model_dir))
-    prefill = PrefillServer(config, backend="local")
+    prefill = PrefillServer(config, backend="tcp")
     decode = DecodeServer(
-        config, backend="local", prefill_pools={"p": InProcessHandle(prefill)}, deadline_s=10
+        config, backend="tcp", prefill_pools={"p": InProcessHandle(prefill)}, deadline_s=10
     )
     yield prefill, decode
     decode.shutdown()

@@ -1,5 +1,5 @@
-"""Decode-as-orchestrator in one process: real prefill and decode servers, KV over `local`,
-and over `shm`/`tcp` for the ownership tests (a cancellation at each await point).
+"""Decode-as-orchestrator in one process: real prefill and decode servers, KV over loopback
+`tcp`, and over `shm`/`tcp` for the ownership tests (a cancellation at each await point).
 
 The prefill pool is reached through a small in-process stand-in for a Serve handle (the
 Serve path itself is exercised end to end in tests/app).
@@ -75,9 +75,9 @@ def expected(model_dir: Path) -> list[list[int]]:
 @pytest.fixture()
 def servers(model_dir: Path):
     config = EngineConfig(model_dir=str(model_dir))
-    prefill = PrefillServer(config, backend="local")
+    prefill = PrefillServer(config, backend="tcp")
     handle = InProcessHandle(prefill)
-    decode = DecodeServer(config, backend="local", prefill_pools={"p": handle}, deadline_s=10)
+    decode = DecodeServer(config, backend="tcp", prefill_pools={"p": handle}, deadline_s=10)
     yield prefill, decode, handle
     decode.shutdown()
     prefill.shutdown()
@@ -165,9 +165,9 @@ def test_client_disconnect_frees_both_pools(servers) -> None:
 
 def test_unresponsive_prefill_pool_times_out_then_prefills_locally(model_dir, expected) -> None:
     config = EngineConfig(model_dir=str(model_dir))
-    prefill = PrefillServer(config, backend="local")
+    prefill = PrefillServer(config, backend="tcp")
     handle = InProcessHandle(prefill, hang=True)
-    decode = DecodeServer(config, backend="local", prefill_pools={"p": handle}, deadline_s=0.5)
+    decode = DecodeServer(config, backend="tcp", prefill_pools={"p": handle}, deadline_s=0.5)
     try:
         start = time.monotonic()
         assert asyncio.run(collect(decode, spec_for(decode, 0, PROMPTS[0]))) == expected[0]

@@ -27,6 +27,10 @@ def test_recent_samples_forget_what_left_the_window() -> None:
     assert samples.values(now=19.0) == [float(t) for t in range(9, 20)]
     assert samples.p90(now=19.0) == 18.0
     assert samples.values(now=100.0) == [] and samples.p90(now=100.0) == 0.0
+    samples.add(500.0, now=100.0)  # a lone (say, cold) sample: no percentile yet
+    assert samples.p90(now=100.0) == 0.0
+    samples.add(20.0, now=101.0)
+    assert samples.p90(now=101.0) == 500.0
 
 
 def test_busy_seconds_and_signal_dicts() -> None:
@@ -36,6 +40,8 @@ def test_busy_seconds_and_signal_dicts() -> None:
     tokens.add(300, now=1.0)
     tokens.add(600, now=2.0)
     ttft.add(120.0, now=2.0)
+    assert prefill_signals({"queued_tokens": 0}, tokens, ttft, 0.5, now=3.0)["ttft_p90_ms"] == 0
+    ttft.add(80.0, now=2.5)  # one sample is no evidence; two are
     occupancy = {
         "queued_tokens": 42,
         "num_blocks": 100,
@@ -54,6 +60,7 @@ def test_busy_seconds_and_signal_dicts() -> None:
     )
     itl = RecentSamples(30.0)
     itl.add(10.0, now=1.0)
+    itl.add(7.0, now=1.5)
     assert decode_signals(occupancy, itl, now=2.0) == {
         "kv_blocks_used": 25.0,
         "kv_blocks_total": 100.0,

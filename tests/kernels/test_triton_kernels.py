@@ -130,3 +130,101 @@ def test_paged_attention(
     expected = paged_attention_ref(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale)
     atol, rtol = tolerances[dtype]
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=rtol)
+
+
+# ---- FP8 KV cache (per-head scales) ------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_scales(num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.rand(num_kv_heads) * 2 + 0.25, torch.rand(num_kv_heads) * 2 + 0.25
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_write_fp8(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    kv_heads, head_dim, block_size = 3, 16, 8
+    k_ref = torch.zeros(6, block_size, kv_heads, head_dim, dtype=FP8)
+    v_ref = torch.zeros_like(k_ref)
+    k_cache, v_cache = k_ref.to(DEVICE), v_ref.to(DEVICE)
+    kv = (torch.randn(9, 2 * kv_heads, head_dim) * 300).to(dtype)  # some saturate
+    key, value = kv[:, :kv_heads], kv[:, kv_heads:]
+    slots = torch.randperm(6 * block_size)[:9]
+    k_scale, v_scale = fp8_scales(kv_heads)
+    write_kv_cache_triton(
+        key.to(DEVICE),
+        value.to(DEVICE),
+        k_cache,
+        v_cache,
+        slots.to(DEVICE),
+        k_scale.to(DEVICE),
+        v_scale.to(DEVICE),
+    )
+    write_kv_cache_ref(key, value, k_ref, v_ref, slots, k_scale, v_scale)
+    assert torch.equal(k_cache.cpu().view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.cpu().view(torch.uint8), v_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1], [1, 20, 37]), ([13, 1, 40, 0, 1], [30, 17, 40, 5, 9])],
+    ids=["decode", "mixed"],
+)
+def test_paged_attention_fp8(
+    paged_batch: Callable,
+    tolerances: dict,
+    query_lens: list[int],
+    seq_lens: list[int],
+    dtype: torch.dtype,
+) -> None:
+    from kernels.fp8 import quantize_per_head
+
+    torch.manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size = 6, 3, 16, 8
+    batch = paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    k_scale, v_scale = fp8_scales(num_kv_heads)
+    k_cache = quantize_per_head(batch.k_cache, k_scale)
+    v_cache = quantize_per_head(batch.v_cache, v_scale)
+    scale = head_dim**-0.5
+    out = paged_attention_triton(
+        batch.query.to(DEVICE),
+        k_cache.to(DEVICE),
+        v_cache.to(DEVICE),
+        on_device(batch.metadata),
+        scale,
+        k_scale.to(DEVICE),
+        v_scale.to(DEVICE),
+    )
+    expected = paged_attention_ref(
+        batch.query, k_cache, v_cache, batch.metadata, scale, k_scale, v_scale
+    )
+    atol, rtol = tolerances[dtype]
+    torch.testing.assert_close(out.cpu(), expected, atol=atol * 4, rtol=rtol * 4)
+
+
+def test_pack_and_unpack_fp8_as_bytes() -> None:
+    from kernels import pack_kv_blocks, unpack_kv_blocks
+
+    torch.manual_seed(5)
+    flat = (torch.randn(2, 2, 10, 8, 3, 16) * 50).to(FP8).to(DEVICE)
+    ids = torch.tensor([7, 2, 9, 4], device=DEVICE)
+    if DEVICE == "cpu":  # the public wrappers take the Triton path for CUDA tensors only
+        k, v = flat[0, 0].view(torch.uint8), flat[0, 1].view(torch.uint8)
+        out = torch.empty(packed_shape(k, 4), dtype=torch.uint8)
+        pack_kv_blocks_triton(k, v, ids, out)
+        unpack_kv_blocks_triton(
+            out, flat[1, 0].view(torch.uint8), flat[1, 1].view(torch.uint8), ids
+        )
+    else:
+        unpack_kv_blocks(pack_kv_blocks(flat[0, 0], flat[0, 1], ids), flat[1, 0], flat[1, 1], ids)
+    assert torch.equal(flat[1, :, ids].view(torch.uint8), flat[0, :, ids].view(torch.uint8))

@@ -1,8 +1,8 @@
 """Child side of the fencing tests: senders whose layer writes are slow enough to be stopped
 halfway through (SIGSTOP) by the parent.
 
-`SlowShmSender` copies a batch of layers block by block under the record's write_lock, as
-`ShmSender` does in one native call, with a pause after each block; `SlowTcpSender` sends
+`SlowShmWriting` copies a batch of layers block by block under the record's write_lock, as
+`ShmWriting` does in one native call, with a pause after each block; `SlowTcpWriting` sends
 each LAYER frame's payload in pieces with a pause between them. `progress` (a shared int
 without a lock: the process may be stopped at any instruction) says which layer is being
 written, so the parent can stop the process mid-write.
@@ -21,20 +21,23 @@ from engine.kv_cache import KVCacheSpec
 from kvtransfer import TransferOptions
 from kvtransfer.base import Ticket
 from kvtransfer.blockcopy import block_rows
-from kvtransfer.connections import LayerItem, ReceiverConnection
-from kvtransfer.shm import ShmSender
+from kvtransfer.sender import LayerItem, Sender
+from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord
-from kvtransfer.tcp import TcpSender, _id_runs, _layer_views
+from kvtransfer.tcp import TcpWriting
 from kvtransfer.wire import _HEADER, MAGIC, Kind
+from kvtransfer.wire import Connection as Link
 
 PAUSE_S = 0.15  # after each block (shm) or payload piece (tcp)
 
 
-class SlowShmSender(ShmSender):
-    progress: ctypes.c_int
+class SlowShmWriting(ShmWriting):
+    def __init__(self, spec: KVCacheSpec, progress: ctypes.c_int) -> None:
+        super().__init__(spec)
+        self.progress = progress
 
-    def _write_layers(
-        self, conn: ReceiverConnection, record: TransferRecord, items: list[LayerItem]
+    def write(
+        self, conn: Link, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
         rows = conn.state["rows"]
         assert isinstance(rows, np.ndarray)
@@ -54,17 +57,21 @@ class SlowShmSender(ShmSender):
             conn.fs.send(Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=item.layer)
 
 
-class SlowTcpSender(TcpSender):
-    progress: ctypes.c_int
+class SlowTcpWriting(TcpWriting):
+    def __init__(self, progress: ctypes.c_int) -> None:
+        super().__init__()
+        self.progress = progress
 
-    def _write_layer(
-        self, conn: ReceiverConnection, record: TransferRecord, item: LayerItem
+    def write(
+        self, conn: Link, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
-        assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
-        if record.state.is_terminal:
-            return
-        runs = _id_runs(item.src_ids)
-        payload = b"".join(_layer_views(block_rows(item.k_cache), block_rows(item.v_cache), runs))
+        for item in items:
+            if record.state.is_terminal:
+                return
+            self._write_slowly(conn, record, item)
+
+    def _write_slowly(self, conn: Link, record: TransferRecord, item: LayerItem) -> None:
+        payload = b"".join(self.payload(record, item))
         rid = record.request_id.encode()
         head = _HEADER.pack(
             MAGIC, Kind.LAYER, 0, len(rid), item.layer, item.ticket.epoch, len(payload), 0
@@ -88,10 +95,9 @@ def slow_send(
     conn: Connection,
 ) -> None:
     """Say "ready", take a ticket, send every layer slowly, then report the sender's view."""
-    cls = SlowShmSender if backend == "shm" else SlowTcpSender
+    writing = SlowShmWriting(spec, progress) if backend == "shm" else SlowTcpWriting(progress)
     released: list[str] = []
-    sender = cls(spec, model_id="test-model", release=released.append, options=options)
-    sender.progress = progress
+    sender = Sender(spec, writing, model_id="test-model", release=released.append, options=options)
     cache = source_cache(spec, 0)
     conn.send("ready")
     ticket: Ticket = conn.recv()

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -25,13 +26,20 @@ import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
-    KVReceiver,
     KVTransferError,
+    Receiver,
     TransferOptions,
     create_receiver,
     create_sender,
 )
 from kvtransfer.base import Ticket
+from kvtransfer.blockcopy import block_rows, layer_crc
+from kvtransfer.sender import LayerItem, Sender
+from kvtransfer.shm import ShmWriting
+from kvtransfer.table import TransferRecord
+from kvtransfer.tcp import TcpWriting
+from kvtransfer.wire import Connection as Link
+from kvtransfer.wire import Kind
 
 BACKENDS = ["shm", "tcp"]
 FAST = TransferOptions(reap_interval_s=0.02, fence_timeout_s=3.0, connect_timeout_s=5.0)
@@ -59,6 +67,78 @@ class SendJob:
     connect_first: bool = False  # call sender.connect(ticket) first and report its error
     wait_s: float = 10.0
     device: str = "cpu"  # where the source cache lives (nccl: a CUDA device)
+    corrupt_layers: frozenset[int] | set[int] = frozenset()  # damaged after their checksum
+
+
+class CorruptingShmWriting(ShmWriting):
+    """shm data path that damages one destination byte of `layers` after checksumming them
+    (as memory corrupted between the copy and the read would be)."""
+
+    def __init__(self, spec: KVCacheSpec, layers: frozenset[int] | set[int]) -> None:
+        super().__init__(spec)
+        self.layers = layers
+
+    def write(
+        self, conn: Link, record: TransferRecord, items: list[LayerItem], checksum: bool
+    ) -> None:
+        rows = conn.state["rows"]
+        assert isinstance(rows, np.ndarray)
+        plan, _ = self.plan(conn, record, items[0])
+        for item in items:
+            assert item.k_cache is not None and item.v_cache is not None
+            src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
+            with record.write_lock:
+                plan.copy(src_k, rows[item.layer, 0])
+                plan.copy(src_v, rows[item.layer, 1])
+            crc = layer_crc(src_k, src_v, plan.src_ids) if checksum else None
+            if item.layer in self.layers:
+                rows[item.layer, 0, item.ticket.block_ids[0], 0] ^= 0xFF
+            epoch = item.ticket.epoch
+            conn.fs.send(Kind.LAYER, record.request_id, epoch=epoch, layer=item.layer, crc=crc)
+
+
+class CorruptingTcpWriting(TcpWriting):
+    """tcp data path that damages the first payload byte of `layers` after checksumming."""
+
+    def __init__(self, layers: frozenset[int] | set[int]) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def write(
+        self, conn: Link, record: TransferRecord, items: list[LayerItem], checksum: bool
+    ) -> None:
+        for item in items:
+            parts = self.payload(record, item)
+            crc = zlib.crc32(b"".join(parts)) if checksum else None
+            if item.layer in self.layers:
+                damaged = bytearray(b"".join(parts))
+                damaged[0] ^= 0xFF
+                parts = [memoryview(damaged)]
+            epoch, layer = item.ticket.epoch, item.layer
+            conn.fs.send(
+                Kind.LAYER, record.request_id, epoch=epoch, layer=layer, crc=crc, payload=parts
+            )
+
+
+def make_sender(job: SendJob, released: list[str], extra: dict[str, object]) -> Sender:
+    """The job's sender; with `corrupt_layers`, one whose data path damages them."""
+    if not job.corrupt_layers:
+        return create_sender(
+            job.backend,
+            job.spec,
+            model_id=job.model_id,
+            release=released.append,
+            options=job.options,
+            **extra,  # type: ignore[arg-type]
+        )
+    writing: ShmWriting | TcpWriting = (
+        CorruptingShmWriting(job.spec, job.corrupt_layers)
+        if job.backend == "shm"
+        else CorruptingTcpWriting(job.corrupt_layers)
+    )
+    return Sender(
+        job.spec, writing, model_id=job.model_id, release=released.append, options=job.options
+    )
 
 
 def run_job(job: SendJob) -> dict[str, object]:
@@ -69,14 +149,7 @@ def run_job(job: SendJob) -> dict[str, object]:
     if job.device != "cpu":
         cache = KVCache(job.spec, cache.flat.to(job.device))
         extra["device"] = job.device
-    sender = create_sender(
-        job.backend,
-        job.spec,
-        model_id=job.model_id,
-        release=released.append,
-        options=job.options,
-        **extra,
-    )
+    sender = make_sender(job, released, extra)
     result: dict[str, object] = {"pid": os.getpid()}
     try:
         if job.connect_first:
@@ -228,7 +301,7 @@ def eventually(predicate: Callable[[], bool], timeout_s: float) -> bool:
 
 def make_receiver(
     backend: str, s: KVCacheSpec, released: Released, **endpoint: object
-) -> KVReceiver:
+) -> Receiver:
     return create_receiver(
         backend, s, model_id="test-model", release=released, options=FAST, **endpoint
     )
@@ -239,7 +312,7 @@ def random_ids(rng: np.random.Generator, num_blocks: int, n: int) -> tuple[int, 
 
 
 def assert_landed(
-    receiver: KVReceiver,
+    receiver: Receiver,
     src_spec: KVCacheSpec,
     seed: int,
     dst: tuple[int, ...],

@@ -18,7 +18,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -36,8 +35,8 @@ from kvt_peers import (
 
 from engine.kv_cache import KVCacheSpec
 from kvtransfer import (
-    KVReceiver,
     PeerLostError,
+    Receiver,
     TransferOptions,
     TransferState,
     auth,
@@ -47,7 +46,6 @@ from kvtransfer import (
 )
 from kvtransfer.base import AuthenticationError, KVLayout, ProtocolError, Ticket
 from kvtransfer.shm import SHM_DIR, map_segment
-from kvtransfer.stream_receiver import StreamReceiver
 from kvtransfer.tcp import parse_endpoint
 from kvtransfer.wire import MAGIC, MAX_CONTROL_BYTES, PROTOCOL_VERSION, FrameSocket, Header, Kind
 
@@ -60,9 +58,9 @@ _HEADER = struct.Struct("<IBBHIQQI")
 
 def receiver_with(
     backend: str, s: KVCacheSpec, released: Released, options: TransferOptions
-) -> StreamReceiver:
+) -> Receiver:
     receiver = create_receiver(backend, s, model_id="test-model", release=released, options=options)
-    assert isinstance(receiver, StreamReceiver)
+    assert isinstance(receiver, Receiver)
     return receiver
 
 
@@ -119,7 +117,7 @@ class RawSender:
         return header, self.fs.recv_json(header)
 
 
-def raw_sender(receiver: KVReceiver) -> RawSender:
+def raw_sender(receiver: Receiver) -> RawSender:
     return RawSender(receiver.endpoint, receiver.layout)
 
 
@@ -138,11 +136,11 @@ def send_bad_layer(endpoint: str, layout: dict[str, object], ticket: dict[str, i
     assert closed_by_peer(raw.fs.sock)
 
 
-def good_transfer(peer: Peer, backend: str, receiver: KVReceiver, rid: str) -> None:
+def good_transfer(peer: Peer, backend: str, receiver: Receiver, rid: str) -> None:
     """The receiver still serves: a real transfer lands byte for byte."""
     s = receiver.spec
     ticket = receiver.open_ticket(rid, (5, 0, 9), 20.0)
-    options = receiver.options if isinstance(receiver, StreamReceiver) else FAST
+    options = receiver.options if isinstance(receiver, Receiver) else FAST
     result = peer.run(SendJob(backend, s, ((ticket, (3, 4, 1)),), options=options))
     assert result["states"] == {rid: "done"}
     assert receiver.wait(rid, 5.0) is TransferState.DONE
@@ -355,7 +353,7 @@ def test_sender_never_writes_to_a_receiver_that_cannot_prove_the_secret(
     }
     thread = serve_fake(listener, heard, welcome, auth_flag=True)
     endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
-    ticket = Ticket("f", endpoint, (1, 2), layout, 7, time.time() + 20)
+    ticket = Ticket("f", endpoint, (1, 2), layout, 7, 20.0)
     released = Released()
     with create_sender("tcp", s, model_id="test-model", release=released, options=AUTHED) as snd:
         with pytest.raises(AuthenticationError, match="could not prove"):
@@ -458,7 +456,7 @@ def test_shm_sender_to_a_missing_segment_fails_and_creates_nothing() -> None:
         "total_bytes": s.total_bytes,
     }
     thread = serve_fake(listener, heard, welcome, auth_flag=False)
-    ticket = Ticket("g", f"shm://{name}", (1, 2), layout, 3, time.time() + 20)
+    ticket = Ticket("g", f"shm://{name}", (1, 2), layout, 3, 20.0)
     released = Released()
     try:
         with create_sender("shm", s, model_id="test-model", release=released, options=FAST) as snd:

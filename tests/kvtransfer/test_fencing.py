@@ -24,7 +24,7 @@ from fence_peers import slow_send
 from kvt_peers import FAST, eventually, reap, source_cache, spec
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer import KVReceiver, TransferState, create_receiver
+from kvtransfer import Receiver, TransferState, create_receiver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,7 +40,7 @@ LATER_S = 0.5  # past the fence timeout: many reaper ticks in which nothing may 
 class Handover:
     """The release callback: snapshot the blocks, then give them to another request."""
 
-    receiver: KVReceiver | None = None
+    receiver: Receiver | None = None
     ids: list[str] = field(default_factory=list)
     at_release: list[torch.Tensor] = field(default_factory=list)  # per layer [K/V, blocks, ...]
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -68,7 +68,7 @@ def source_blocks(s: KVCacheSpec, layer: int) -> torch.Tensor:
     return torch.stack([source.key_caches[layer][list(SRC)], source.value_caches[layer][list(SRC)]])
 
 
-def all_sentinel(receiver: KVReceiver) -> bool:
+def all_sentinel(receiver: Receiver) -> bool:
     cache = receiver.kv_cache
     return all(bool((layer_blocks(cache, i) == SENTINEL).all()) for i in range(SPEC.num_layers))
 
@@ -77,7 +77,7 @@ def all_sentinel(receiver: KVReceiver) -> bool:
 class StoppedSender:
     """A sender process stopped while writing layer 1 of the ticket "t"."""
 
-    receiver: KVReceiver
+    receiver: Receiver
     handover: Handover
     process: mp.process.BaseProcess
     conn: mp.connection.Connection

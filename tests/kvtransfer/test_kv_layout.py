@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import time
 
 import pytest
 
@@ -47,12 +48,22 @@ def test_mismatch_error_lists_every_differing_field() -> None:
 
 def test_ticket_is_small_frozen_and_picklable() -> None:
     layout = KVLayout.from_spec(SPEC, "m")
-    ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4, 9, 2), layout, new_epoch(), 1e9)
+    ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4, 9, 2), layout, new_epoch(), 30.0)
     assert pickle.loads(pickle.dumps(ticket)) == ticket
     assert len(pickle.dumps(ticket)) < 1024
     with pytest.raises(dataclasses.FrozenInstanceError):
         ticket.epoch = 1  # type: ignore[misc]
-    assert ticket.num_blocks == 3 and ticket.seconds_left(now=1e9 - 5) == 5
+    assert ticket.num_blocks == 3 and 29.0 < ticket.seconds_left() <= 30.0
+
+
+def test_ticket_deadline_travels_as_the_time_left() -> None:
+    """No wall-clock instant crosses hosts: a copy counts down from what was left."""
+    layout = KVLayout.from_spec(SPEC, "m")
+    ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4,), layout, 1, 0.5)
+    time.sleep(0.2)
+    copy = pickle.loads(pickle.dumps(ticket))
+    assert copy.deadline_s <= ticket.seconds_left() + 0.01 and copy.deadline_s <= 0.31
+    assert abs(copy.expires_at - ticket.expires_at) < 0.05  # same host: same instant
 
 
 def test_states_terminal_and_wire_codes() -> None:

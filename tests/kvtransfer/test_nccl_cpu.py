@@ -1,16 +1,13 @@
-"""The nccl backend's CPU-testable parts: selection, clear errors, communicator cache."""
+"""The nccl backend's CPU-testable parts: selection, clear errors, library discovery."""
 
 from __future__ import annotations
-
-import threading
-import time
 
 import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
 from kvtransfer import BackendUnavailableError, create_receiver, create_sender, nccl_lib
-from kvtransfer.nccl import CommunicatorCache, require_cuda
+from kvtransfer.nccl import require_cuda
 
 SPEC = KVCacheSpec(2, 8, 4, 2, 8, "float32")
 
@@ -43,31 +40,3 @@ def test_unique_id_struct_is_128_bytes() -> None:
     import ctypes
 
     assert ctypes.sizeof(nccl_lib.NcclUniqueId) == nccl_lib.UNIQUE_ID_BYTES == 128
-
-
-def test_communicator_cache_creates_once_per_peer_even_under_races() -> None:
-    cache: CommunicatorCache[int] = CommunicatorCache()
-    calls: list[str] = []
-    lock = threading.Lock()
-
-    def create(key: str) -> int:
-        with lock:
-            calls.append(key)
-        time.sleep(0.02)  # a slow ncclCommInitRank
-        return len(key)
-
-    barrier = threading.Barrier(8)
-
-    def user(key: str) -> None:
-        barrier.wait()
-        assert cache.get_or_create(key, lambda: create(key)) == len(key)
-
-    threads = [threading.Thread(target=user, args=(k,)) for k in ["ab", "cde"] * 4]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert sorted(calls) == ["ab", "cde"]
-    assert sorted(cache.keys()) == ["ab", "cde"]
-    assert cache.pop("ab") == 2 and cache.pop("ab") is None
-    assert cache.get_or_create("ab", lambda: 7) == 7  # recreated after the peer went away

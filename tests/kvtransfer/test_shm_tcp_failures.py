@@ -34,8 +34,9 @@ def test_checksum_mismatch_fails_and_frees_both(peer: Peer, backend: str) -> Non
     s = spec(3)
     with make_receiver(backend, s, released) as receiver:
         ticket = receiver.open_ticket("bad", (7, 2, 11), 20.0)
-        options = dataclasses.replace(FAST, checksum=True, corrupt_layers=frozenset({1}))
-        result = peer.run(SendJob(backend, s, ((ticket, (1, 2, 3)),), options=options))
+        options = dataclasses.replace(FAST, checksum=True)
+        job = SendJob(backend, s, ((ticket, (1, 2, 3)),), options=options, corrupt_layers={1})
+        result = peer.run(job)
         assert receiver.wait("bad", 5.0) is TransferState.FAILED
         assert type(receiver.error("bad")).__name__ == "ChecksumMismatchError"
         assert released.wait_for("bad")

@@ -118,9 +118,9 @@ def test_release_waits_for_the_local_writer() -> None:
 def test_overdue_wait_and_tombstones() -> None:
     released: list[str] = []
     t = table(released, on_done=False, tombstone_ttl_s=0.05)
-    t.add(record("late", deadline=time.time() - 1))
+    t.add(record("late", deadline=time.monotonic() - 1))
     t.add(record("fine"))
-    assert t.overdue(time.time()) == ["late"]
+    assert t.overdue(time.monotonic()) == ["late"]
     assert t.wait("fine", 0.02) is TransferState.PENDING  # times out, never blocks forever
     threading.Timer(0.02, lambda: t.finish("fine", TransferState.DONE)).start()
     assert t.wait("fine", 5.0) is TransferState.DONE
@@ -152,13 +152,13 @@ def test_mark_layer_counts_and_stops_after_terminal() -> None:
     assert not t.mark_layer(rec, 1)
 
 
-def test_fence_timeout_cuts_the_writer_before_release_and_barrier_runs_last() -> None:
+def test_fence_timeout_cuts_the_writer_before_release_and_the_fence_runs_last() -> None:
     events: list[str] = []
     t = TransferTable(
         lambda rid: events.append(f"release {rid}"),
         release_on_done=False,
         fence_timeout_s=0.0,
-        barrier=lambda rec: events.append(f"barrier {rec.request_id}"),
+        fence=lambda: events.append("fence"),
     )
     rec = t.add(record())
     t.bind(rec, object())
@@ -170,7 +170,7 @@ def test_fence_timeout_cuts_the_writer_before_release_and_barrier_runs_last() ->
         return True
 
     t.sweep(cut)
-    assert events == ["cut r", "barrier r", "release r"]
+    assert events == ["cut r", "fence", "release r"]
 
 
 def test_fence_timeout_quarantines_until_unfenced_when_the_writer_may_still_run() -> None:

@@ -1,4 +1,5 @@
-"""The in-process `local` backend, and the behaviour every backend shares through it."""
+"""The transfer API as decode and prefill use it, on `shm` and `tcp` over loopback, in one
+process: lifecycle, aborts, expiry, refusals, caller bugs, exactly-once release."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
     KVLayoutMismatchError,
-    KVReceiver,
-    KVSender,
+    Receiver,
+    Sender,
     StaleEpochError,
     TransferOptions,
     TransferState,
@@ -24,7 +25,17 @@ from kvtransfer import (
     create_sender,
 )
 
-OPTIONS = TransferOptions(reap_interval_s=0.01)
+OPTIONS = TransferOptions(reap_interval_s=0.01, fence_timeout_s=2.0)
+WAIT_S = 10.0
+
+
+def settled(released: list[str], n: int) -> list[str]:
+    """`released` once it holds `n` ids (callbacks run on transfer threads), else as is."""
+    deadline = time.monotonic() + WAIT_S
+    while len(released) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.02)  # a second, wrong call would show up here
+    return released
 
 
 def spec(num_blocks: int, dtype: str = "float32", num_layers: int = 3) -> KVCacheSpec:
@@ -32,18 +43,18 @@ def spec(num_blocks: int, dtype: str = "float32", num_layers: int = 3) -> KVCach
 
 
 class Pair:
-    def __init__(self, dtype: str = "float32", num_layers: int = 3) -> None:
+    def __init__(self, backend: str, dtype: str = "float32", num_layers: int = 3) -> None:
         self.receiver_released: list[str] = []
         self.sender_released: list[str] = []
-        self.receiver: KVReceiver = create_receiver(
-            "local",
+        self.receiver: Receiver = create_receiver(
+            backend,
             spec(32, dtype, num_layers),
             model_id="m",
             release=self.receiver_released.append,
             options=OPTIONS,
         )
-        self.sender: KVSender = create_sender(
-            "local",
+        self.sender: Sender = create_sender(
+            backend,
             spec(24, dtype, num_layers),
             model_id="m",
             release=self.sender_released.append,
@@ -63,25 +74,33 @@ class Pair:
 
 
 @pytest.fixture
-def pair() -> Iterator[Pair]:
-    p = Pair()
+def pair(backend: str) -> Iterator[Pair]:
+    p = Pair(backend)
     yield p
     p.sender.close()
     p.receiver.close()
 
 
+def wait_layers(p: Pair, rid: str, n: int) -> int:
+    deadline = time.monotonic() + WAIT_S
+    while p.receiver.num_layers_received(rid) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return p.receiver.num_layers_received(rid)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_transfer_completes_instantly_and_lands_the_blocks(dtype: str) -> None:
-    p = Pair(dtype)
+def test_transfer_lands_the_blocks(backend: str, dtype: str) -> None:
+    p = Pair(backend, dtype)
     dst, src = [30, 2, 17, 5], [0, 9, 3, 23]
     ticket = p.receiver.open_ticket("r", dst, 10.0)
     assert p.receiver.poll("r") is TransferState.PENDING
     p.send(ticket, src, range(2))
+    assert wait_layers(p, "r", 2) == 2
     assert p.receiver.poll("r") is TransferState.TRANSFERRING
-    assert p.receiver.num_layers_received("r") == 2
     p.send(ticket, src, range(2, 3))
     p.sender.finish(ticket)
-    assert p.receiver.poll("r") is TransferState.DONE and p.sender.poll("r") is TransferState.DONE
+    assert p.receiver.wait("r", WAIT_S) is TransferState.DONE
+    assert p.sender.wait("r", WAIT_S) is TransferState.DONE
     for layer in range(3):
         assert torch.equal(
             p.receiver.kv_cache.key_caches[layer][dst], p.source.key_caches[layer][src]
@@ -89,35 +108,40 @@ def test_transfer_completes_instantly_and_lands_the_blocks(dtype: str) -> None:
         assert torch.equal(
             p.receiver.kv_cache.value_caches[layer][dst], p.source.value_caches[layer][src]
         )
-    assert p.receiver_released == [] and p.sender_released == ["r"]
+    assert p.receiver_released == [] and settled(p.sender_released, 1) == ["r"]
+    p.sender.close()
+    p.receiver.close()
 
 
 def test_block_ids_may_be_a_long_tensor(pair: Pair) -> None:
     ticket = pair.receiver.open_ticket("t", [1, 2, 3], 10.0)
     pair.send(ticket, torch.tensor([4, 5, 6]))  # type: ignore[arg-type]
     pair.sender.finish(ticket)
-    assert pair.receiver.poll("t") is TransferState.DONE
+    assert pair.receiver.wait("t", WAIT_S) is TransferState.DONE
 
 
 def test_finish_with_missing_layers_fails_and_frees_both(pair: Pair) -> None:
     ticket = pair.receiver.open_ticket("m", [1, 2], 10.0)
     pair.send(ticket, [0, 1], range(2))
     pair.sender.finish(ticket)
-    assert pair.receiver.poll("m") is TransferState.FAILED
+    assert pair.receiver.wait("m", WAIT_S) is TransferState.FAILED
     assert "layers [2]" in str(pair.receiver.error("m"))
-    assert pair.receiver_released == ["m"] and pair.sender_released == ["m"]
+    assert settled(pair.receiver_released, 1) == ["m"]
+    assert settled(pair.sender_released, 1) == ["m"]
 
 
 def test_abort_from_decode_side(pair: Pair) -> None:
     ticket = pair.receiver.open_ticket("a", [1, 2], 10.0)
     pair.send(ticket, [0, 1], range(1))
+    assert wait_layers(pair, "a", 1) == 1
     pair.receiver.abort("a")
     pair.receiver.abort("a")
     pair.send(ticket, [0, 1], range(1, 3))  # ignored
     pair.sender.finish(ticket)
     assert pair.receiver.poll("a") is TransferState.ABORTED
-    assert pair.sender.poll("a") is TransferState.ABORTED
-    assert pair.receiver_released == ["a"] and pair.sender_released == ["a"]
+    assert pair.sender.wait("a", WAIT_S) is TransferState.ABORTED
+    assert settled(pair.receiver_released, 1) == ["a"]
+    assert settled(pair.sender_released, 1) == ["a"]
 
 
 @pytest.mark.parametrize("layers_before", [0, 2])
@@ -127,43 +151,44 @@ def test_abort_from_prefill_side(pair: Pair, layers_before: int) -> None:
     pair.send(ticket, [0, 1], range(layers_before))
     pair.sender.abort("p")
     pair.sender.abort("p")
-    assert pair.receiver.poll("p") is TransferState.ABORTED
-    assert pair.receiver_released == ["p"] and pair.sender_released == ["p"]
+    assert pair.receiver.wait("p", WAIT_S) is TransferState.ABORTED
+    assert settled(pair.receiver_released, 1) == ["p"]
+    assert settled(pair.sender_released, 1) == ["p"]
 
 
 def test_abort_of_an_unknown_request_releases_once(pair: Pair) -> None:
     pair.sender.abort("never-sent")
     pair.sender.abort("never-sent")
-    assert pair.sender_released == ["never-sent"]
+    assert settled(pair.sender_released, 1) == ["never-sent"]
     pair.receiver.abort("never-opened")  # nothing to free, no error
-    assert pair.receiver_released == []
+    assert settled(pair.receiver_released, 0) == []
 
 
 def test_deadline_expires_on_both_sides(pair: Pair) -> None:
     ticket = pair.receiver.open_ticket("e", [5], 0.05)
     pair.send(ticket, [1], range(1))
-    assert pair.receiver.wait("e", 2.0) is TransferState.EXPIRED
-    assert pair.sender.wait("e", 2.0) is TransferState.EXPIRED
-    deadline = time.monotonic() + 2.0
-    while not pair.sender_released and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pair.receiver_released == ["e"] and pair.sender_released == ["e"]
+    assert pair.receiver.wait("e", WAIT_S) is TransferState.EXPIRED
+    assert pair.sender.wait("e", WAIT_S) is TransferState.EXPIRED
+    assert settled(pair.receiver_released, 1) == ["e"]
+    assert settled(pair.sender_released, 1) == ["e"]
 
 
-def test_layout_mismatch_fails_the_transfer_and_connect_raises() -> None:
-    p = Pair()
-    other = create_sender("local", spec(24, "bfloat16"), model_id="other", release=lambda r: None)
+def test_layout_mismatch_fails_the_transfer_and_connect_raises(pair: Pair, backend: str) -> None:
+    p = pair
+    other = create_sender(backend, spec(24, "bfloat16"), model_id="other", release=lambda r: None)
     ticket = p.receiver.open_ticket("x", [1], 10.0)
     with pytest.raises(KVLayoutMismatchError) as info:
         other.connect(ticket, 1.0)
     assert set(info.value.differences) == {"dtype", "model_id"}
     source = KVCache.allocate(spec(24, "bfloat16"))
     released: list[str] = []
-    sender = create_sender("local", spec(24, "bfloat16"), model_id="other", release=released.append)
+    sender = create_sender(backend, spec(24, "bfloat16"), model_id="other", release=released.append)
     sender.send_layer(ticket, 0, source.key_caches[0], source.value_caches[0], [0])
     assert sender.poll("x") is TransferState.FAILED
     assert isinstance(sender.error("x"), KVLayoutMismatchError)
-    assert released == ["x"]
+    assert settled(released, 1) == ["x"]
+    other.close()
+    sender.close()
 
 
 def test_stale_epoch_is_refused(pair: Pair) -> None:
@@ -171,7 +196,8 @@ def test_stale_epoch_is_refused(pair: Pair) -> None:
     stale = dataclasses.replace(ticket, epoch=ticket.epoch + 1)
     with pytest.raises(StaleEpochError):
         pair.sender.connect(stale, 1.0)
-    assert pair.sender_released == ["s"]  # connect registered it: it ended FAILED, released
+    # connect registered it: it ended FAILED, released
+    assert settled(pair.sender_released, 1) == ["s"]
     pair.send(stale, [0])
     assert pair.sender.poll("s") is TransferState.FAILED
     assert isinstance(pair.sender.error("s"), StaleEpochError)
@@ -197,11 +223,12 @@ def test_caller_bugs_raise_value_errors(pair: Pair) -> None:
         pair.receiver.poll("nope")
 
 
-def test_close_aborts_open_transfers_and_releases_their_blocks() -> None:
-    p = Pair()
+def test_close_aborts_open_transfers_and_releases_their_blocks(backend: str) -> None:
+    p = Pair(backend)
     p.receiver.open_ticket("c1", [1], 10.0)
     ticket = p.receiver.open_ticket("c2", [2], 10.0)
     p.send(ticket, [0], range(1))
+    assert wait_layers(p, "c2", 1) == 1
     p.sender.close()
     p.receiver.close()
     p.receiver.close()
@@ -211,7 +238,7 @@ def test_close_aborts_open_transfers_and_releases_their_blocks() -> None:
 
 
 def test_factory_knows_every_backend() -> None:
-    assert available_backends() == ["local", "nccl", "shm", "tcp"]
+    assert available_backends() == ["nccl", "shm", "tcp"]
     with pytest.raises(ValueError, match="unknown KV transfer backend"):
         create_receiver("carrier-pigeon", spec(4), model_id="m", release=lambda r: None)
     with pytest.raises(ValueError, match="shared memory"):
@@ -222,15 +249,15 @@ def test_factory_knows_every_backend() -> None:
 
 def test_receiver_adopts_a_given_cache() -> None:
     cache = KVCache.allocate(spec(8))
-    receiver = create_receiver("local", spec(8), cache, model_id="m", release=lambda r: None)
+    receiver = create_receiver("tcp", spec(8), cache, model_id="m", release=lambda r: None)
     assert receiver.kv_cache is cache
     receiver.close()
     with pytest.raises(ValueError):
-        create_receiver("local", spec(9), cache, model_id="m", release=lambda r: None)
+        create_receiver("tcp", spec(9), cache, model_id="m", release=lambda r: None)
 
 
-def test_many_requests_release_exactly_once() -> None:
-    p = Pair()
+def test_many_requests_release_exactly_once(backend: str) -> None:
+    p = Pair(backend)
     rng = np.random.default_rng(0)
     outcomes = {}
     for i in range(40):
@@ -243,6 +270,7 @@ def test_many_requests_release_exactly_once() -> None:
             p.sender.finish(ticket)
         elif action == 1:
             p.send(ticket, [0, 1], range(1))
+            wait_layers(p, rid, 1)
             p.receiver.abort(rid)
         elif action == 2:
             p.sender.connect(ticket, 1.0)
@@ -250,10 +278,9 @@ def test_many_requests_release_exactly_once() -> None:
         else:
             p.send(ticket, [0, 1], range(2))
             p.sender.finish(ticket)  # missing a layer
-        outcomes[rid] = p.receiver.poll(rid)
+        outcomes[rid] = p.receiver.wait(rid, WAIT_S)
     freed = [r for r, s in outcomes.items() if s is not TransferState.DONE]
-    assert sorted(p.receiver_released) == sorted(freed)
-    touched = [r for i, r in enumerate(outcomes)]
-    assert sorted(p.sender_released) == sorted(touched)
+    assert sorted(settled(p.receiver_released, len(freed))) == sorted(freed)
+    assert sorted(settled(p.sender_released, len(outcomes))) == sorted(outcomes)
     p.sender.close()
     p.receiver.close()

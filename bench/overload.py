@@ -1,0 +1,482 @@
+"""`pdserve bench overload`: two tenants' classes at 3x the fleet's goodput, admission on vs off.
+
+The config (`configs/<name>.yaml`, default `cpu-tenants`) names SLO classes and tenants; each
+class of `--classes` (default `interactive,batch`) is sent by the first tenant whose
+`default_class` it is (in `cpu-tenants`: acme and globex), with that tenant's API key.
+Requests are streamed greedy completions of random prompts (`--<class>-prompt-tokens`,
+`--<class>-max-tokens`, `ignore_eos`), each asking for a server deadline of
+`--request-timeout` s (header `x-pdserve-timeout`), Poisson arrivals per class.
+
+1. **Admission off**: the same config with every admission feature disabled
+   (`admission_off`: no tenant limits or queues, no load shedding, one priority for every
+   class, Serve queues per pool unbounded) is deployed on a private Ray instance.
+2. **Calibration** (unless `--goodput` is given): the fleet's goodput, as DistServe defines
+   it (the highest rate at which >= 90% of requests meet their class's SLO), is measured on
+   that app with the same class mix: `--calibrate-s` seconds per rate point, doubling from
+   `--calibrate-start` until a point fails, then bisecting, `--calibrate-points` points in all,
+   interpolated (`bench.goodput.interpolate_goodput`).
+3. The overload, `--overload` (3) x that goodput for `--duration` s, split between the classes
+   by `--interactive-share`, is offered to the admission-off app, then the same arrivals to
+   the config as written (**admission on**: quotas, queues, shedding, priorities), redeployed
+   on a fresh Ray instance.
+
+A request that has no end `--hung-grace` s after its deadline is `hung` (the goal is 0 in
+both modes). Per mode and class: SLO attainment and goodput (`bench.overload_report`), shed
+counts by `"<status> <code>"`, and whether each shed response carried a Retry-After.
+
+    pdserve bench overload --config cpu-tenants --json out.json
+
+writes the JSON (`admission_on` / `admission_off`, `calibration`, rates, SLOs, load
+average, host, every request) and `out.png` beside it; the last stdout line is the summary
+(no per-request records) as one JSON object. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import logging
+import os
+import platform
+import secrets
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from bench.goodput import interpolate_goodput, next_rate
+from bench.metrics import finite_or_none
+from bench.overload_report import (
+    ClassSLO,
+    Record,
+    classify,
+    human_table,
+    joint_attainment,
+    mode_report,
+    plot,
+)
+from bench.serve_app import RunningApp, add_app_arguments, app_args, free_port, running_app
+from bench.server_report import fetch_stats
+from bench.workloads import make_prompt
+
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+OFF_MAX_QUEUED_REQUESTS = 1_000_000  # "unbounded" for Serve's per-pool queue
+TARGET_ATTAINMENT = 0.9
+
+
+# ------------------------------------------------------------------------------ the configs
+
+
+def admission_off(args: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The app args with every admission feature disabled, and what was changed.
+
+    Tenants keep their keys and allowed pools but lose `max_concurrent_requests` and
+    `quota`; `overload.shedding.enabled` is false; every class and tenant gets the most
+    important priority present (first come, first served at every queue; the classes keep
+    their SLOs, which only label requests then); each pool's Serve queue is unbounded.
+    """
+    off = copy.deepcopy(dict(args))
+    changes: list[str] = []
+    admission = dict(off.get("admission") or {})
+    classes = [dict(c) for c in admission.get("classes") or []]
+    top = min((int(c["priority"]) for c in classes), default=0)
+    if any(c["priority"] != top for c in classes):
+        changes.append(f"every SLO class at priority {top}")
+    admission["classes"] = [{**c, "priority": top} for c in classes]
+    off["admission"] = admission
+    tenants = []
+    for tenant in off.get("tenants") or []:
+        tenant = dict(tenant)
+        dropped = [k for k in ("max_concurrent_requests", "quota") if tenant.pop(k, None)]
+        if "priority" in tenant:
+            tenant["priority"] = top
+        if dropped:
+            changes.append(f"tenant {tenant['name']}: no {' or '.join(dropped)}")
+        tenants.append(tenant)
+    off["tenants"] = tenants
+    overload = dict(off.get("overload") or {})
+    overload["shedding"] = {**(overload.get("shedding") or {}), "enabled": False}
+    off["overload"] = overload
+    changes.append("overload.shedding.enabled: false")
+    off["pools"] = [
+        {**pool, "max_queued_requests": OFF_MAX_QUEUED_REQUESTS} for pool in off.get("pools", [])
+    ]
+    changes.append(f"pools' max_queued_requests: {OFF_MAX_QUEUED_REQUESTS}")
+    return off, changes
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPlan:
+    """What one class sends: its tenant's key, prompt and output length, its SLO."""
+
+    name: str
+    tenant: str
+    api_key: str
+    prompt_tokens: int
+    max_tokens: int
+    slo: ClassSLO
+
+
+def class_plans(args: Mapping[str, Any], options: argparse.Namespace) -> list[ClassPlan]:
+    """One `ClassPlan` per class of `--classes`, from the config's classes and tenants."""
+    from app.config import ConfigError, load_config
+
+    config = load_config(dict(args))
+    plans = []
+    for name in options.classes:
+        slo_class = config.admission.slo_class(name)
+        tenant = next((t for t in config.tenants if t.default_class == name), None)
+        if slo_class is None or tenant is None:
+            raise ConfigError(f"--classes: {name!r} needs a class and a tenant defaulting to it")
+        keys = sorted(tenant.resolve_api_keys())
+        if not keys:
+            raise ConfigError(f"tenant {tenant.name!r} has no API key to send {name!r} with")
+        plans.append(
+            ClassPlan(
+                name,
+                tenant.name,
+                keys[0],
+                getattr(options, f"{name}_prompt_tokens", options.prompt_tokens),
+                getattr(options, f"{name}_max_tokens", options.max_tokens),
+                ClassSLO(slo_class.ttft_s, slo_class.tpot_s),
+            )
+        )
+    return plans
+
+
+def class_rates(plans: Sequence[ClassPlan], total: float, first_share: float) -> dict[str, float]:
+    """`total` requests/s split: `first_share` to the first class, the rest evenly."""
+    if len(plans) == 1:
+        return {plans[0].name: total}
+    rest = (1 - first_share) * total / (len(plans) - 1)
+    return {p.name: first_share * total if i == 0 else rest for i, p in enumerate(plans)}
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request to send: when (s from the phase start), in which class, what prompt."""
+
+    at_s: float
+    slo_class: str
+    prompt: str
+
+
+def arrivals(
+    plans: Sequence[ClassPlan], rates: Mapping[str, float], duration_s: float, seed: int
+) -> list[Arrival]:
+    """Poisson arrivals of every class over `duration_s`, merged in time order."""
+    rng = np.random.default_rng(seed)
+    out: list[Arrival] = []
+    for plan in plans:
+        rate = rates[plan.name]
+        t = float(rng.exponential(1 / rate)) if rate > 0 else duration_s
+        while t < duration_s:
+            out.append(Arrival(t, plan.name, make_prompt(plan.prompt_tokens, rng)))
+            t += float(rng.exponential(1 / rate))
+    return sorted(out, key=lambda a: a.at_s)
+
+
+# ------------------------------------------------------------------------------- the load
+
+
+async def send(
+    client: httpx.AsyncClient,
+    model: str,
+    plan: ClassPlan,
+    prompt: str,
+    record: Record,
+    request_timeout_s: float,
+    hung_after_s: float,
+    t0: float,
+) -> None:
+    """Stream one completion into `record` (outcome, status, code, Retry-After, latencies)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": plan.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {
+        "Authorization": f"Bearer {plan.api_key}",
+        "x-pdserve-timeout": f"{request_timeout_s:g}",
+    }
+    sent = time.monotonic()
+    first: float | None = None
+    last: float | None = None
+    try:
+        async with asyncio.timeout(hung_after_s):
+            async with client.stream(
+                "POST", "/v1/completions", json=body, headers=headers
+            ) as response:
+                record.status = response.status_code
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    record.outcome = classify(response.status_code, streamed_tokens=False)
+                    record.retry_after = response.headers.get("retry-after")
+                    record.code, record.error = _error_fields(raw)
+                    return
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line.removeprefix("data: ")
+                    if data == "[DONE]":
+                        record.outcome = "ok" if record.error is None else "error"
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        record.code = event["error"].get("code")
+                        record.error = str(event["error"].get("message"))[:200]
+                    if any(c.get("text") for c in event.get("choices") or []):
+                        last = time.monotonic()
+                        first = first or last
+                    if event.get("usage"):
+                        record.num_tokens = int(event["usage"].get("completion_tokens") or 0)
+                else:
+                    record.outcome, record.error = "error", "stream ended without [DONE]"
+    except TimeoutError:
+        record.outcome, record.error = "hung", f"no end within {hung_after_s:g} s"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.outcome, record.error = "error", repr(exc)[:200]
+    finally:
+        record.end_s = time.monotonic() - t0
+        if first is not None:
+            record.ttft_s = first - sent
+            if last is not None and record.num_tokens > 1:
+                record.tpot_s = (last - first) / (record.num_tokens - 1)
+
+
+def _error_fields(raw: bytes) -> tuple[str | None, str]:
+    try:
+        error = json.loads(raw)["error"]
+        return error.get("code"), str(error.get("message"))[:200]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, raw[:200].decode(errors="replace")
+
+
+async def run_phase(
+    app: RunningApp,
+    plans: Sequence[ClassPlan],
+    plan_arrivals: Sequence[Arrival],
+    options: argparse.Namespace,
+    desc: str,
+    progress: bool = True,
+) -> list[Record]:
+    """Send every arrival at its time; return once each has ended (or hung)."""
+    by_name = {p.name: p for p in plans}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    timeout = httpx.Timeout(options.hung_after_s, connect=30.0)
+    records: list[Record] = []
+    bar = tqdm(
+        total=len(plan_arrivals),
+        desc=desc,
+        file=sys.stderr,
+        disable=options.no_progress or not progress,
+    )
+    async with httpx.AsyncClient(base_url=app.base_url, limits=limits, timeout=timeout) as client:
+        t0 = time.monotonic()
+
+        async def one(arrival: Arrival, record: Record) -> None:
+            plan = by_name[arrival.slo_class]
+            await send(
+                client,
+                app.model_name,
+                plan,
+                arrival.prompt,
+                record,
+                options.request_timeout,
+                options.hung_after_s,
+                t0,
+            )
+            bar.update(1)
+            if bar.n % 20 == 0:
+                bar.set_postfix(_outcome_counts(records))
+
+        tasks = []
+        for i, arrival in enumerate(plan_arrivals):
+            await asyncio.sleep(max(0.0, arrival.at_s - (time.monotonic() - t0)))
+            record = Record(i, arrival.slo_class, time.monotonic() - t0)
+            records.append(record)
+            tasks.append(asyncio.create_task(one(arrival, record)))
+        await asyncio.gather(*tasks)
+    bar.close()
+    return records
+
+
+def _outcome_counts(records: Sequence[Record]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        if r.end_s is not None:
+            counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    return counts
+
+
+def warm_up(app: RunningApp, plans: Sequence[ClassPlan], options: argparse.Namespace) -> None:
+    """Two requests per class, one at a time (loads the engines, measures prefill rates)."""
+    warm = [
+        Arrival(0.0, p.name, make_prompt(p.prompt_tokens, np.random.default_rng(i)))
+        for i, p in enumerate(plans)
+        for _ in range(2)
+    ]
+    for arrival in warm:
+        asyncio.run(run_phase(app, plans, [arrival], options, "warm-up", progress=False))
+
+
+def calibrate(
+    app: RunningApp, plans: Sequence[ClassPlan], options: argparse.Namespace
+) -> dict[str, Any]:
+    """The fleet's goodput with the overload's class mix (module docstring, step 2)."""
+    slos = {p.name: p.slo for p in plans}
+    points: list[tuple[float, float]] = []
+    for k in range(options.calibrate_points):
+        rate = next_rate(points, options.calibrate_start, TARGET_ATTAINMENT)
+        rates = class_rates(plans, rate, options.interactive_share)
+        plan = arrivals(plans, rates, options.calibrate_s, options.seed + 100 + k)
+        records = asyncio.run(run_phase(app, plans, plan, options, f"calibrate {rate:.2f}/s"))
+        points.append((rate, joint_attainment(records, slos)))
+        tqdm.write(
+            f"calibration: {rate:.2f} req/s -> attainment {points[-1][1]:.1%}", file=sys.stderr
+        )
+    estimate = interpolate_goodput(points, TARGET_ATTAINMENT)
+    return {
+        "method": f"rate sweep with admission off, {options.calibrate_s:g} s per point, "
+        f"goodput = highest rate with >= {TARGET_ATTAINMENT:.0%} joint SLO attainment "
+        "(interpolated)",
+        "points": [{"rate": r, "attainment": a} for r, a in sorted(points)],
+        **asdict(estimate),
+    }
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run_mode(
+    mode_args: dict[str, Any],
+    plans: Sequence[ClassPlan],
+    options: argparse.Namespace,
+    mode: str,
+    calibration: dict[str, Any] | None,
+) -> tuple[list[Record], dict[str, Any] | None, dict[str, Any]]:
+    """Deploy `mode_args`, calibrate if asked (`calibration` None and no `--goodput`), run
+    the overload; (records, calibration, machine state around the phase)."""
+    with running_app(mode_args, options.num_cpus) as app:
+        warm_up(app, plans, options)
+        if calibration is None:
+            calibration = (
+                {"method": "given (--goodput)", "goodput": options.goodput}
+                if options.goodput
+                else calibrate(app, plans, options)
+            )
+        goodput = float(calibration["goodput"])
+        if goodput <= 0:
+            raise SystemExit(f"calibration found no rate meeting the SLOs: {calibration}")
+        rates = class_rates(plans, options.overload * goodput, options.interactive_share)
+        plan = arrivals(plans, rates, options.duration, options.seed)
+        before, started_at = _loadavg(), time.time()
+        records = asyncio.run(run_phase(app, plans, plan, options, mode))
+        machine: dict[str, Any] = {"load_average_before": before, "load_average_after": _loadavg()}
+        admin_key = next(iter(mode_args.get("admin_api_keys") or []), None)
+        stats = fetch_stats(app.base_url, admin_key, started_at)
+        machine["server_ttft_breakdown"] = stats.get("ttft_breakdown") or stats.get("error")
+    return records, calibration, machine
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench overload",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    add_app_arguments(parser, "cpu-tenants")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of overload")
+    parser.add_argument("--overload", type=float, default=3.0, help="offered = this x goodput")
+    parser.add_argument("--goodput", type=float, default=None, help="skip calibration: req/s")
+    parser.add_argument("--calibrate-s", type=float, default=10.0, help="seconds per point")
+    parser.add_argument("--calibrate-start", type=float, default=1.0, help="first rate, req/s")
+    parser.add_argument("--calibrate-points", type=int, default=5)
+    parser.add_argument("--classes", default="interactive,batch", help="comma list, first one")
+    parser.add_argument(
+        "--interactive-share", type=float, default=0.2, help="the first class's share of load"
+    )
+    parser.add_argument("--interactive-prompt-tokens", type=int, default=128)
+    parser.add_argument("--interactive-max-tokens", type=int, default=32)
+    parser.add_argument("--batch-prompt-tokens", type=int, default=1000)
+    parser.add_argument("--batch-max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="other classes")
+    parser.add_argument("--max-tokens", type=int, default=64, help="other classes")
+    parser.add_argument("--request-timeout", type=float, default=30.0, help="server deadline")
+    parser.add_argument("--hung-grace", type=float, default=30.0, help="past the deadline: hung")
+    parser.add_argument("--modes", default="off,on", help="comma list of off, on (in order)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--json", type=Path, required=True, help="write the result here")
+    options = parser.parse_args(argv)
+    options.classes = [c.strip() for c in options.classes.split(",") if c.strip()]
+    options.modes = [m.strip() for m in options.modes.split(",") if m.strip()]
+    if not options.modes or set(options.modes) - {"on", "off"}:
+        parser.error("--modes: a comma list of on, off")
+    if not 0 < options.interactive_share < 1 and len(options.classes) > 1:
+        parser.error("--interactive-share must be in (0, 1)")
+    options.hung_after_s = options.request_timeout + options.hung_grace
+
+    on_args = app_args(options.config, options.model, options.dtype, free_port())
+    # The server's TTFT breakdown after each phase needs an admin key (this run's own).
+    on_args["admin_api_keys"] = [f"sk-bench-admin-{secrets.token_hex(8)}"]
+    off_args, off_changes = admission_off(on_args)
+    plans = class_plans(on_args, options)
+    slos = {p.name: p.slo for p in plans}
+    document: dict[str, Any] = {
+        "config": options.config,
+        "duration_s": options.duration,
+        "overload": options.overload,
+        "classes": {p.name: {**asdict(p), "api_key": "(from config)"} for p in plans},
+        "admission_off_changes": off_changes,
+        "request_timeout_s": options.request_timeout,
+        "hung_after_s": options.hung_after_s,
+        "host": {
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "ray_cpus": options.num_cpus,
+        },
+        "machine": {},
+    }
+    calibration: dict[str, Any] | None = None
+    records: dict[str, list[Record]] = {}
+    for mode in options.modes:
+        name = f"admission_{mode}"
+        mode_args = off_args if mode == "off" else on_args
+        records[name], calibration, document["machine"][name] = run_mode(
+            mode_args, plans, options, name, calibration
+        )
+        document[name] = mode_report(records[name], slos, options.duration)
+    assert calibration is not None
+    document["calibration"] = calibration
+    document["goodput"] = calibration["goodput"]
+    document["offered_rate"] = options.overload * float(calibration["goodput"])
+    document["rates"] = class_rates(plans, document["offered_rate"], options.interactive_share)
+    options.json.parent.mkdir(parents=True, exist_ok=True)
+    document["plot"] = plot(document, options.classes, options.json.with_suffix(".png"))
+    full = {**document, "records": {k: [asdict(r) for r in v] for k, v in records.items()}}
+    options.json.write_text(json.dumps(finite_or_none(full), indent=1) + "\n")
+    print(human_table(document, options.classes), file=sys.stderr)
+    print(json.dumps(finite_or_none(document)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""The fallback model (app/admission/fallback.py): config rules, the decision, the build check,
+and `Frontend.prepare` moving a shed degradable request to the fallback pool.
+
+Shedding is driven by real pool load in `decode.placement.pool_view` (what the replica
+routers publish), with the built-in tiny model as both the primary and the fallback model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from app.admission.controller import decode_pool_blocks
+from app.admission.fallback import (
+    TRIGGER_BACKPRESSURE,
+    TRIGGER_SHED,
+    FallbackModel,
+    FallbackPolicy,
+    check_fallback_model,
+    fallback_model_config,
+)
+from app.config import ConfigError, PDServeConfig, load_config
+from app.errors import ServiceUnavailableError
+from app.frontend import Frontend
+from app.router import RouteDecision, RouterPolicy
+from decode.placement import pool_view
+from engine.builtin import write_builtin_model
+from engine.loader import load_model_config
+from engine.request import SamplingParams
+
+FALLBACK = {"name": "degraded", "role": "decode", "fallback": True, "num_cpus": 0.5}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_builtin_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
+
+
+def args(model: str = "tiny", **extra: Any) -> dict[str, Any]:
+    """Prefill `prefill`, decode `decode`, fallback `degraded` (model `model`), and two
+    classes: `batch` degradable, `strict` not; both with a TTFT SLO nothing can meet."""
+    return {
+        "model": {"model": model, "dtype": "float32"},
+        "pools": [
+            {"name": "prefill", "role": "prefill"},
+            {"name": "decode", "role": "decode"},
+            {**FALLBACK, "model": {"model": model, "served_model_name": "fallback-tiny"}},
+        ],
+        "admission": {
+            "classes": [
+                {"name": "batch", "ttft_s": 0.001, "tpot_s": 1, "priority": 10, "degradable": True},
+                {"name": "strict", "ttft_s": 0.001, "tpot_s": 1, "priority": 10},
+            ]
+        },
+        **extra,
+    }
+
+
+# ---- config --------------------------------------------------------------------------
+
+
+def test_fallback_pool_runs_its_own_model_and_is_never_the_primary_decode_pool() -> None:
+    config = PDServeConfig.model_validate(
+        args(tenants=[{"name": "acme", "api_keys": ["k1"], "default_class": "batch"}])
+    )
+    fallback = config.fallback_pool
+    assert fallback is not None and fallback.name == "degraded"
+    engine = config.engine_config(fallback)
+    assert engine.model_dir == "tiny" and engine.dtype is None  # its own model settings
+    assert config.engine_config(config.pools[1]).dtype == "float32"
+    route = RouterPolicy(config).route(100, "acme")
+    assert route.decode_pool == "decode"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a["pools"][2].pop("model"), "must have role 'decode' and its own `model`"),
+        (lambda a: a["pools"][2].update(role="prefill"), "must have role 'decode'"),
+        (
+            lambda a: a["pools"][1].update(model={"model": "tiny"}),
+            "only a fallback pool (fallback: true) has its own `model`",
+        ),
+        (
+            lambda a: a["pools"].append({**a["pools"][2], "name": "other"}),
+            "at most one pool may set fallback: true (got degraded, other)",
+        ),
+        (lambda a: a["pools"].pop(1), "at least one pool must have role 'decode' (and not be"),
+        (
+            lambda a: a["pools"].pop(2),
+            "admission.classes batch are degradable, but no pool sets fallback: true",
+        ),
+        (
+            lambda a: a.update(
+                tenants=[{"name": "t", "api_keys": ["k"], "allowed_pools": ["prefill", "degraded"]}]
+            ),
+            "tenant 't': allowed_pools has no decode pool (the fallback pool serves only",
+        ),
+        (lambda a: a["pools"][2].update(fallback="maybe"), "valid boolean"),
+    ],
+)
+def test_invalid_fallback_configs_are_refused_clearly(change: Any, message: str) -> None:
+    document = args()
+    change(document)
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        PDServeConfig.model_validate(document)
+
+
+def test_check_fallback_model_loads_it_and_compares_vocabularies(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    check_fallback_model(PDServeConfig.model_validate(args(str(model_dir))))
+    without = {"model": {"model": "absent"}, "pools": [{"name": "d", "role": "decode"}]}
+    check_fallback_model(PDServeConfig.model_validate({**without, "local_prefill_threshold": 9999}))
+
+    missing = args(str(model_dir))
+    missing["pools"][2]["model"]["model"] = str(tmp_path / "absent")
+    with pytest.raises(ConfigError, match="fallback pool 'degraded': model .* does not load"):
+        check_fallback_model(PDServeConfig.model_validate(missing))
+
+    other = tmp_path / "other-vocab"
+    shutil.copytree(model_dir, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    different = args(str(model_dir))
+    different["pools"][2]["model"]["model"] = str(other)
+    with pytest.raises(ConfigError, match="different tokenizer vocabulary"):
+        check_fallback_model(PDServeConfig.model_validate(different))
+
+
+def test_kv_share_counts_the_fallback_pool_with_its_own_model(model_dir: Path) -> None:
+    document = args(str(model_dir))
+    document["pools"][2]["model"]["dtype"] = "bfloat16"
+    config = PDServeConfig.model_validate(document)
+    primary = load_model_config(str(model_dir), "float32")
+    fallback = fallback_model_config(config)
+    assert fallback is not None
+    blocks = decode_pool_blocks(config, primary, fallback)
+    assert set(blocks) == {"decode", "degraded"}
+    assert blocks["degraded"] == 2 * blocks["decode"]  # same budget, half the bytes per token
+
+
+# ---- the decision --------------------------------------------------------------------
+
+MODEL = FallbackModel("degraded", "fallback-tiny", max_model_len=100, vocab_size=300)
+
+
+def policy(allowed: dict[str, bool] | None = None) -> FallbackPolicy:
+    return FallbackPolicy(["batch"], MODEL, allowed or {"acme": True, "globex": False})
+
+
+def test_degradable_class_goes_to_the_fallback_pool_with_a_reason() -> None:
+    decision = policy().decide("acme", "batch", 40, 20, (5,), TRIGGER_SHED)
+    assert decision.served and decision.pool == "degraded"
+    assert decision.served_model_name == "fallback-tiny"
+    assert decision.reason == (
+        "shed: degradable class batch -> fallback pool degraded (model fallback-tiny)"
+    )
+    route = RouteDecision("prefill", "decode", False, 10, "len 40 -> pool prefill")
+    moved = decision.reroute(route)
+    assert moved == RouteDecision(None, "degraded", True, 10, f"{route.reason}; {decision.reason}")
+
+
+@pytest.mark.parametrize(
+    ("tenant", "slo_class", "num_prompt", "max_tokens", "stop", "why"),
+    [
+        ("acme", "strict", 40, 20, (), "class strict is not degradable"),
+        ("globex", "batch", 40, 20, (), "tenant 'globex' may not use fallback pool degraded"),
+        ("acme", "batch", 90, 20, (), "exceed the fallback model's context of 100 tokens"),
+        ("acme", "batch", 40, 20, (300,), "outside the fallback model's vocabulary"),
+    ],
+)
+def test_refused_when_class_tenant_or_size_do_not_allow(
+    tenant: str, slo_class: str, num_prompt: int, max_tokens: int, stop: tuple[int, ...], why: str
+) -> None:
+    decision = policy().decide(
+        tenant, slo_class, num_prompt, max_tokens, stop, TRIGGER_BACKPRESSURE
+    )
+    assert not decision.served and why in decision.reason
+    assert decision.trigger == TRIGGER_BACKPRESSURE
+
+
+def test_no_fallback_pool_refuses_everything() -> None:
+    decision = FallbackPolicy(["batch"], None, {}).decide("", "batch", 1, 1, (), TRIGGER_SHED)
+    assert not decision.served and decision.reason == "no fallback pool"
+
+
+def test_tenants_allowed_pools_decide_who_may_be_degraded() -> None:
+    config = PDServeConfig.model_validate(
+        args(
+            tenants=[
+                {"name": "open", "api_keys": ["k1"]},  # every pool
+                {
+                    "name": "listed",
+                    "api_keys": ["k2"],
+                    "allowed_pools": ["prefill", "decode", "degraded"],
+                },
+                {"name": "unlisted", "api_keys": ["k3"], "allowed_pools": ["prefill", "decode"]},
+            ]
+        )
+    )
+    fallback = FallbackPolicy.from_config(config, fallback_model_config(config))
+    served = {
+        t: fallback.decide(t, "batch", 10, 10, (), TRIGGER_SHED).served
+        for t in ("open", "listed", "unlisted")
+    }
+    assert served == {"open": True, "listed": True, "unlisted": False}
+
+
+# ---- the frontend: a shed degradable request is prepared for the fallback pool ---------
+
+
+@pytest.fixture
+def loaded_prefill_pool() -> Iterator[None]:
+    """The prefill pool as its router would publish it: measured, with work queued."""
+    pool_view.update(
+        "prefill", [("prefill-0", {"queued_tokens": 500, "prefill_tokens_per_s": 100})]
+    )
+    yield
+    pool_view.update("prefill", [])
+
+
+def test_prepare_moves_shed_degradable_requests_to_the_fallback(
+    model_dir: Path, loaded_prefill_pool: None
+) -> None:
+    config = load_config(
+        args(
+            str(model_dir),
+            tenants=[{"name": "acme", "api_keys": ["k"], "default_class": "batch"}],
+        )
+    )
+    front = Frontend(config, {})
+
+    async def prepare(slo_class: str | None) -> Any:
+        ids = await front.tokenize_prompt("a prompt for the prefill pool, long enough " * 2)
+        return front.prepare("k", ids, SamplingParams(max_tokens=4), slo_class=slo_class)
+
+    prepared = asyncio.run(prepare(None))
+    assert prepared.route.decode_pool == "degraded" and prepared.route.local_prefill
+    assert prepared.served.fallback is not None and prepared.served.route == prepared.route
+    assert "shed" in prepared.route.reason and "-> fallback pool degraded" in prepared.route.reason
+    assert front.served_model(prepared) == "fallback-tiny"
+    assert front.routing_report()["recent"] == []  # recorded when it runs, like any request
+
+    with pytest.raises(ServiceUnavailableError) as refused:
+        asyncio.run(prepare("strict"))
+    assert refused.value.code == "overloaded"
+    [record] = front.routing_report()["recent"]
+    assert record["shed"] == "overloaded" and "fallback" not in record

@@ -1,0 +1,170 @@
+"""Tensor parallelism through Serve: prefill and decode pools both TP=2 (gloo worker
+processes), KV shards moving over shared memory from prefill rank i to decode rank i,
+greedy output token for token what one-process (TP=1) engines produce."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import ray
+from pydantic import ValidationError
+
+from app.config import PDServeConfig
+from engine.engine import Engine
+from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from tests.app.conftest import Server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "pdserve-tiny"
+PROMPTS = [
+    "hello",
+    "a prompt long enough to fill a couple of sixteen-token KV blocks, and then some more",
+]
+MAX_TOKENS = 16
+EXIT_TIMEOUT_S = 30.0
+
+
+def pdserve_args(model_dir: Path) -> dict[str, Any]:
+    return {
+        "model": {
+            "model": str(model_dir),
+            "dtype": "float32",
+            "num_threads": 1,
+            "kv_cache_bytes": 16 * 1024**2,
+            "tensor_parallel_size": 2,
+        },
+        "pools": [
+            {"name": "prefill", "role": "prefill", "num_cpus": 0.25},
+            {"name": "decode", "role": "decode", "num_cpus": 0.25},
+        ],
+        "transfer": {"backend": "shm", "deadline_s": 30.0},
+        "local_prefill_threshold": 0,  # every prompt goes to the prefill pool
+    }
+
+
+@pytest.fixture(scope="module")
+def tp1_texts(model_dir: Path) -> list[str]:
+    """The same prompts through a one-process engine (TP=1)."""
+    engine = Engine.from_model(str(model_dir), num_threads=1, dtype="float32")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    return [output.text for output in engine.generate(PROMPTS, params)]
+
+
+def _tp_workers() -> dict[int, list[int]]:
+    """Live `engine.tp_worker` processes of this user, by parent pid."""
+    workers: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if b"engine.tp_worker" in cmdline and fields[0] not in ("Z", "X"):
+            workers.setdefault(int(fields[1]), []).append(int(entry))
+    return workers
+
+
+def _replica_pid(server: Server, pool: str) -> int:
+    return int(server.stats()["pools"][pool]["replica"].rsplit(":", 1)[1])
+
+
+def test_tp2_disaggregated_equals_tp1(server: Server, tp1_texts: list[str]) -> None:
+    client = server.openai()
+    before = server.stats()["pools"]["decode"]["counters"].get("remote_prefill", 0)
+    texts = [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        .choices[0]
+        .text
+        for prompt in PROMPTS
+    ]
+    assert texts == tp1_texts
+    counters = server.stats()["pools"]["decode"]["counters"]
+    assert counters.get("remote_prefill", 0) - before == len(PROMPTS)  # KV came over shm
+
+
+def test_streamed_chat_equals_tp1_engine(server: Server, model_dir: Path) -> None:
+    messages = [{"role": "user", "content": "say something"}]
+    engine = Engine.from_model(str(model_dir), num_threads=1, dtype="float32")
+    prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not isinstance(prompt_ids, list):
+        prompt_ids = prompt_ids["input_ids"]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    expected = engine.generate([list(prompt_ids)], params)[0].text
+    stream = server.openai().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == expected
+
+
+def test_each_replica_runs_one_worker(server: Server) -> None:
+    workers = _tp_workers()
+    for pool in ("prefill", "decode"):
+        assert len(workers.get(_replica_pid(server, pool), [])) == 1, (pool, workers)
+
+
+def test_killed_replica_leaves_no_worker(server: Server, tp1_texts: list[str]) -> None:
+    from tests.app.conftest import wait_until
+
+    decode_pid = _replica_pid(server, "decode")
+    (worker,) = _tp_workers()[decode_pid]
+    killed = 0
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info["name"].startswith("SERVE_REPLICA::pdserve#decode#"):
+            ray.kill(ray.get_actor(info["name"], namespace=info["namespace"]), no_restart=True)
+            killed += 1
+    assert killed == 1
+    wait_until(
+        lambda: all(worker not in pids for pids in _tp_workers().values()),
+        EXIT_TIMEOUT_S,
+        "the killed decode replica's TP worker to exit",
+    )
+    # Serve restarts the replica, with a worker of its own, and it serves the same text.
+    wait_until(lambda: "error" not in server.stats()["pools"]["decode"], 180, "decode back")
+    out = server.openai().completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert out.choices[0].text == tp1_texts[1]
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+def test_tp_size_is_one_setting_for_both_pools() -> None:
+    with pytest.raises(ValidationError, match="same TP size"):
+        PDServeConfig.model_validate(
+            {
+                "model": {"tensor_parallel_size": 2},
+                "pools": [
+                    {"name": "p", "role": "prefill", "engine": {"tensor_parallel_size": 4}},
+                    {"name": "d", "role": "decode"},
+                ],
+            }
+        )
+    config = PDServeConfig.model_validate(
+        {
+            "model": {"tensor_parallel_size": 2},
+            "pools": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}],
+        }
+    )
+    assert {config.engine_config(p).tensor_parallel_size for p in config.pools} == {2}
+
+
+def test_cuda_tp_needs_a_gpu_per_rank() -> None:
+    with pytest.raises(ValidationError, match="set num_gpus to 4"):
+        PDServeConfig.model_validate(
+            {
+                "model": {"tensor_parallel_size": 4, "device": "cuda"},
+                "pools": [{"name": "d", "role": "decode", "num_gpus": 1}],
+            }
+        )

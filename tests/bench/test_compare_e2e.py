@@ -1,0 +1,64 @@
+"""`pdserve bench compare` end to end, short: two real configs on the tiny model, one seed,
+a two-point knee search of 8 requests per point, replicas pinned to a core of their own.
+
+Proves the pipeline (deploy, isolated requests, knee search, drift, aggregates, plots, JSON);
+the figures themselves are not evidence (BENCHMARKS.md has the full command)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 8
+
+
+def test_compare_pipeline(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp.json"
+    last = max(os.sched_getaffinity(0))
+    argv = ["bench", "compare", "--configs", "cpu-disagg,cpu-colocated", "--no-progress"]
+    argv += ["--model", str(tiny_model_dir), "--seeds", "1", "--max-points", "2"]
+    argv += ["--requests-per-point", str(REQUESTS), "--rate-start", "1", "--bootstrap", "50"]
+    argv += ["--workload", "multi-tenant", "--short-input-len", "24", "--short-output-len", "6"]
+    argv += ["--long-input-min", "200", "--long-input-max", "300", "--long-output-len", "4"]
+    argv += ["--long-share", "0.25", "--isolated-repeats", "1", "--replica-cores", str(last)]
+    argv += ["--json", str(out)]
+    assert main(argv) == 0
+    document = json.loads(out.read_text())
+
+    assert set(document["runs"]) == {"cpu-disagg", "cpu-colocated"}
+    assert "ratio" in document and len(document["ratio_ci"]) == 2
+    assert set(document["ratios"]) == {"cpu-disagg"}
+    assert document["slo"]["shared"] is None  # multi-tenant: one SLO per class
+    assert set(document["slo"]["classes"]) == {"interactive", "batch"}
+    assert document["replica_cores"] == [last]
+    for name, (run,) in document["runs"].items():
+        assert all(pool["cpu_affinity"] == [last] for pool in run["args"]["pools"])
+        assert run["points"][0]["rate"] == 1.0 and 1 <= len(run["points"]) <= 2
+        assert set(run["isolated_before"]) == set(run["isolated_after"]) == {"interactive", "batch"}
+        assert run["noisy"] == (run["drift"] is None or run["drift"] > 0.25)
+        assert len(run["host_before"]["load_avg"]) == 3
+        for point in run["points"]:
+            assert point["num_requests"] == len(point["records"]) == REQUESTS
+            classes = point["classes"]
+            assert sum(c["n"] for c in classes.values()) == REQUESTS
+            shares = [c["met"] / c["n"] for c in classes.values() if c["n"]]
+            assert point["attainment"] == pytest.approx(min(shares))
+            low, high = point["attainment_ci"]
+            assert 0.0 <= low <= point["attainment"] <= high <= 1.0
+            for record in point["records"]:
+                assert record["success"], record["error"]
+        goodput = document["goodput"][name]
+        assert goodput["per_run"] == [run["goodput"]["goodput"]]
+    ratio = document["ratio"]
+    if ratio is not None:  # None only if the baseline's goodput came out 0
+        disagg = document["goodput"]["cpu-disagg"]["mean"]
+        assert ratio == pytest.approx(disagg / document["goodput"]["cpu-colocated"]["mean"])
+    assert len(document["plots"]) == 5
+    assert all(Path(p).stat().st_size > 1000 for p in document["plots"])
