@@ -13,8 +13,8 @@ policy about every 100 ms:
   over the SLO adds a replica while the queue is past the hysteresis band.
 - **decode** (`decode_demand`): KV blocks in use over `target_kv_usage` of the pool's blocks
   (and, if set, running sequences over `target_running_seqs` per replica); requests queued
-  for admission, or an ITL p90 over `tpot_slo_ms` while that load is past the hysteresis
-  band, add a replica.
+  for admission, or an ITL p90 over `tpot_slo_ms` while the batch (running sequences if
+  `target_running_seqs` is set, else KV) is past the hysteresis band, add a replica.
 
 Hysteresis: the pool grows as soon as demand exceeds its replicas, but shrinks (one replica
 at a time) only when the remaining replicas would be loaded at most `downscale_utilization`
@@ -120,8 +120,8 @@ def prefill_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> De
 def decode_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> Demand:
     """Replicas that hold the KV in use at `target_kv_usage` (and the running sequences at
     `target_running_seqs` each, if set). A breach: on average a request or more per replica
-    queued for admission, or ITL p90 over the TPOT SLO while that load is past the hysteresis
-    band."""
+    queued for admission, or ITL p90 over the TPOT SLO while the batch load (the running
+    sequences if `target_running_seqs` is set, else the KV) is past the hysteresis band."""
     if not replicas:
         return Demand(replicas=0.0, breached=False, calm=True)
     used = sum(r.get("kv_blocks_used", 0.0) for r in replicas)
@@ -130,11 +130,16 @@ def decode_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> Dem
     needed = used / (blocks_per_replica * knobs.target_kv_usage) if blocks_per_replica else 0.0
     load_signal = "kv_usage"
     running = sum(r.get("num_running", 0.0) for r in replicas)
-    if knobs.target_running_seqs is not None and running / knobs.target_running_seqs > needed:
-        needed, load_signal = running / knobs.target_running_seqs, "running_seqs"
+    # ITL grows with the batch: the running sequences are the load it answers to (the KV in
+    # use also holds blocks reserved for prompts still being prefilled elsewhere).
+    batch = needed
+    if knobs.target_running_seqs is not None:
+        batch = running / knobs.target_running_seqs
+        if batch > needed:
+            needed, load_signal = batch, "running_seqs"
     itl_ms = max(r.get("itl_p90_ms", 0.0) for r in replicas)
     waiting = sum(r.get("num_waiting", 0.0) for r in replicas) / len(replicas)
-    slow = itl_ms > knobs.tpot_slo_ms and _loaded(needed, len(replicas), knobs)
+    slow = itl_ms > knobs.tpot_slo_ms and _loaded(batch, len(replicas), knobs)
     breach_signal = "waiting" if waiting >= 1.0 else "itl_p90" if slow else None
     return Demand(
         replicas=needed,

@@ -137,7 +137,6 @@ class ModelSettings(_Strict):
             self.kv_cache_dtype,
             self.dtype,
             self.device,
-            self.tensor_parallel_size,
         )
         if self.served_model_name is None:
             self.served_model_name = "pdserve-" + PurePath(self.model.rstrip("/")).name

@@ -12,7 +12,9 @@ Rules, in order:
 3. Decode pool: the first decode pool, in config order, that the tenant may use; never the
    fallback pool (`app/admission/fallback.py` moves overloaded requests there).
 4. `num_prompt_tokens < local_prefill_threshold` -> no prefill pool: the decode replica
-   prefills the prompt itself (`local_prefill=True`).
+   prefills the prompt itself (`local_prefill=True`). At or above it, the ingress may still
+   prefill locally when the prefill pool is the slower of the two (adaptive disaggregation,
+   `app/admission/adaptive.py`, applied to this decision).
 5. Otherwise the *primary* prefill pool is the first pool, in config order, whose context
    range contains the length. If the tenant may use it, it is chosen. If not, the request
    falls back to the first prefill pool the tenant may use whose range also contains the

@@ -39,7 +39,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Paged attention keeps KV 
 
 
 def make_engine(
-    model: str, dtype: str, quantization: str | None, kv_cache_dtype: str, num_tokens: int
+    model: str,
+    dtype: str,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    num_tokens: int,
+    device: str = "cpu",
 ) -> Engine:
     """An engine whose cache and step budget hold one sequence of `num_tokens`."""
     block_size = 16
@@ -47,6 +52,7 @@ def make_engine(
         EngineConfig(
             model_dir=model,
             dtype=dtype,
+            device=device,
             quantization=quantization,
             cache=CacheConfig(
                 block_size=block_size,
@@ -128,28 +134,38 @@ def free_running(reference: list[int], candidate: list[int]) -> dict:
     return {"matched_prefix": prefix, "position_agreement": round(same / len(reference), 6)}
 
 
+Candidate = tuple[str, str | None, str]  # (dtype, quantization, kv_cache_dtype)
+
+
 def measure(
     model: str,
     dtype: str,
-    candidates: Sequence[tuple[str | None, str]],
+    candidates: Sequence[Candidate],
     num_tokens: int,
     free_tokens: int,
     prompt: str = PROMPT,
+    device: str = "cpu",
 ) -> dict:
-    """Compare each `(quantization, kv_cache_dtype)` in `candidates` with full precision."""
+    """Compare each candidate engine with the full-precision engine in `dtype`."""
     start = time.perf_counter()
-    reference_engine = make_engine(model, dtype, None, "auto", num_tokens + 256)
+    reference_engine = make_engine(model, dtype, None, "auto", num_tokens + 256, device)
     prompt_ids = reference_engine.tokenize(prompt)
     trajectory = greedy(reference_engine, prompt_ids, num_tokens)
     sequence = prompt_ids + trajectory[:-1]  # position p predicts trajectory[p - len(prompt)]
     positions = slice(len(prompt_ids) - 1, len(sequence))
-    ref_logits = teacher_forced_logits(reference_engine, sequence)[positions]
+    ref_logits = teacher_forced_logits(reference_engine, sequence)[positions].cpu()
     del reference_engine
     results = []
-    for quantization, kv_cache_dtype in candidates:
-        engine = make_engine(model, dtype, quantization, kv_cache_dtype, num_tokens + 256)
-        logits = teacher_forced_logits(engine, sequence)[positions]
-        row: dict[str, object] = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    for candidate_dtype, quantization, kv_cache_dtype in candidates:
+        engine = make_engine(
+            model, candidate_dtype, quantization, kv_cache_dtype, num_tokens + 256, device
+        )
+        logits = teacher_forced_logits(engine, sequence)[positions].cpu()
+        row: dict[str, object] = {
+            "dtype": candidate_dtype,
+            "quantization": quantization,
+            "kv_cache_dtype": kv_cache_dtype,
+        }
         row.update(compare_logits(ref_logits, logits, trajectory))
         if free_tokens:
             own = greedy(engine, prompt_ids, free_tokens)
@@ -159,6 +175,7 @@ def measure(
     return {
         "model": model,
         "dtype": dtype,
+        "device": device,
         "tokens": num_tokens,
         "prompt_tokens": len(prompt_ids),
         "free_running_tokens": free_tokens,
@@ -171,6 +188,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench accuracy", description=__doc__)
     parser.add_argument("--model", default="small", help="model directory or built-in name")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--candidate-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the FP8 engines (default --dtype)",
+    )
+    parser.add_argument(
+        "--baseline-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="also compare the plain engine in this dtype (e.g. bfloat16: how much of the "
+        "error any rounding causes on this model)",
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quantization", default=None, choices=["fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--tokens", type=int, default=1024, help="reference greedy tokens")
@@ -181,11 +212,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quantization is None and args.kv_cache_dtype == "auto":
         parser.error("nothing to compare: pass --quantization fp8 and/or --kv-cache-dtype fp8")
-    candidates: list[tuple[str | None, str]] = [(args.quantization, args.kv_cache_dtype)]
+    dtype = args.candidate_dtype or args.dtype
+    candidates: list[Candidate] = [(dtype, args.quantization, args.kv_cache_dtype)]
     if args.quantization and args.kv_cache_dtype == "fp8":  # and each alone
-        candidates += [(args.quantization, "auto"), (None, args.kv_cache_dtype)]
+        candidates += [(dtype, args.quantization, "auto"), (dtype, None, args.kv_cache_dtype)]
+    if args.baseline_dtype is not None:
+        candidates.append((args.baseline_dtype, None, "auto"))
     free = args.tokens if args.free_tokens is None else args.free_tokens
-    result = measure(args.model, args.dtype, candidates, args.tokens, min(free, args.tokens))
+    result = measure(
+        args.model,
+        args.dtype,
+        candidates,
+        args.tokens,
+        min(free, args.tokens),
+        device=args.device,
+    )
     text = json.dumps(result)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

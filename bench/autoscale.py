@@ -34,7 +34,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,20 @@ class Bench:
             await asyncio.sleep(self.args.sample_s)
 
 
-def summarize(bench: Bench, roles: dict[str, str], events: list[dict[str, Any]]) -> dict[str, Any]:
+def failure_kind(error: str | None) -> str:
+    """`shed` (503 overloaded: admission control), `http` (another status), `timeout`, or
+    `stream` (an error event, a cut stream)."""
+    error = error or ""
+    if error.startswith("HTTP 503") and "overloaded" in error:
+        return "shed"
+    if error.startswith("HTTP"):
+        return "http"
+    return "timeout" if "Timeout" in error else "stream"
+
+
+def summarize(
+    bench: Bench, roles: Mapping[str, str], events: list[dict[str, Any]]
+) -> dict[str, Any]:
     """`max_replicas` / `final_replicas` per pool, `failed`, the replica changes with their
     signals, the verdict, the latency overall and the machine's load."""
     final = bench.samples[-1] if bench.samples else {}
@@ -157,10 +171,13 @@ def summarize(bench: Bench, roles: dict[str, str], events: list[dict[str, Any]])
         "requests": len(bench.records),
         "failed": len(failed),
         "failures": sorted({r.error or "?" for r in failed})[:20],
+        "failed_by_kind": dict(Counter(failure_kind(r.error) for r in failed)),
         "max_replicas": max_replicas,
         "final_replicas": final_replicas,
         "min_replicas": bench.args.min_replicas,
-        "verdict": verdict(scaled, roles, bench.args.min_replicas, final_replicas, bench.ramp),
+        "verdict": verdict(
+            scaled, roles, bench.args.min_replicas, final_replicas, bench.ramp, events
+        ),
         "replica_changes": scaled,
         "ttft_p90_ms": percentile([r.ttft_s for r in ok if r.ttft_s is not None], 90) * 1000,
         "tpot_p90_ms": percentile([r.tpot_s for r in ok if r.tpot_s is not None], 90) * 1000,
@@ -179,22 +196,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     add_app_arguments(parser, "cpu-autoscale")
-    parser.add_argument("--rate", type=float, default=1.0, help="low load, requests/s")
+    parser.add_argument("--rate", type=float, default=0.5, help="low load, requests/s")
     parser.add_argument("--peak", type=float, default=4.0, help="peak load = rate x this")
     parser.add_argument("--low-s", type=float, default=30.0, help="seconds of each low phase")
     parser.add_argument("--ramp-s", type=float, default=10.0, help="seconds of each ramp")
-    parser.add_argument("--peak-s", type=float, default=60.0, help="seconds of each peak")
+    parser.add_argument("--peak-s", type=float, default=80.0, help="seconds of each peak")
     parser.add_argument(
         "--stress",
         default="prefill,decode",
         help="pool roles to stress, in order (comma-separated: prefill, decode)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=256, help="base requests")
-    parser.add_argument("--max-tokens", type=int, default=32, help="base requests")
+    parser.add_argument("--max-tokens", type=int, default=16, help="base requests")
     parser.add_argument("--long-prompt-tokens", type=int, default=1536, help="prefill stress")
     parser.add_argument("--short-output-tokens", type=int, default=4, help="prefill stress")
     parser.add_argument("--short-prompt-tokens", type=int, default=48, help="decode stress")
-    parser.add_argument("--long-output-tokens", type=int, default=96, help="decode stress")
+    parser.add_argument("--long-output-tokens", type=int, default=64, help="decode stress")
     parser.add_argument("--sample-s", type=float, default=1.0, help="replica sampling period")
     parser.add_argument("--settle-s", type=float, default=90.0, help="wait for scale-down")
     parser.add_argument("--window-s", type=float, default=10.0, help="timeline window")

@@ -84,23 +84,33 @@ def verdict(
     min_replicas: Mapping[str, int],
     final_replicas: Mapping[str, int],
     ramp: Ramp,
+    events: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, dict[str, Any]]:
     """Per pool: the signals of its scale-ups during the phases that stress its role, the
-    scale-ups elsewhere, whether it scaled down, and `ok` (up under load on its own signal,
-    never up elsewhere, back to its minimum)."""
+    scale-ups elsewhere (replicas that started, and decisions to add one that `events` show
+    outside those phases even if no replica came of them), whether it scaled down, and `ok`
+    (up under load on its own signal, never up elsewhere, back to its minimum)."""
     stressing = {p.name: p.stresses for p in ramp.phases}
     result = {}
     for pool, role in roles.items():
         ups = [s for s in scaled if s["pool"] == pool and s["direction"] == "up"]
         own = [s for s in ups if stressing.get(s["phase"]) == role]
+        elsewhere = [
+            {"t_s": s["t_s"], "phase": s["phase"], "signal": s["signal"]}
+            for s in ups
+            if s not in own
+        ]
+        for event in events:
+            found = ramp.phase_at(event["t_s"])
+            phase = found[0] if found else None
+            wanted_more = event["pool"] == pool and event["desired"] > event["current"]
+            if wanted_more and phase is not None and phase.stresses != role:
+                decision = {"t_s": event["t_s"], "phase": phase.name, "signal": event["signal"]}
+                elsewhere.append({**decision, "decision_only": True})
         result[pool] = {
             "role": role,
             "scaled_up_on": sorted({s["signal"] for s in own}),
-            "scaled_up_elsewhere": [
-                {"t_s": s["t_s"], "phase": s["phase"], "signal": s["signal"]}
-                for s in ups
-                if s not in own
-            ],
+            "scaled_up_elsewhere": elsewhere,
             "scaled_down": any(s["pool"] == pool and s["direction"] == "down" for s in scaled),
             "back_to_min": final_replicas.get(pool, 0) <= min_replicas.get(pool, 1),
         }

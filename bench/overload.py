@@ -8,8 +8,9 @@ Requests are streamed greedy completions of random prompts (`--<class>-prompt-to
 `--request-timeout` s (header `x-pdserve-timeout`), Poisson arrivals per class.
 
 1. **Admission off**: the same config with every admission feature disabled
-   (`admission_off`: no tenant limits or queues, no load shedding, one priority for every
-   class, Serve queues per pool unbounded) is deployed on a private Ray instance.
+   (`bench.overload_plan.admission_off`: no tenant limits or queues, no load shedding, one
+   priority for every class, Serve queues per pool unbounded) is deployed on a private Ray
+   instance.
 2. **Calibration** (unless `--goodput` is given): the fleet's goodput, as DistServe defines
    it (the highest rate at which >= 90% of requests meet their class's SLO), is measured on
    that app with the same class mix: `--calibrate-s` seconds per rate point, doubling from
@@ -19,6 +20,10 @@ Requests are streamed greedy completions of random prompts (`--<class>-prompt-to
    by `--interactive-share`, is offered to the admission-off app, then the same arrivals to
    the config as written (**admission on**: quotas, queues, shedding, priorities), redeployed
    on a fresh Ray instance.
+
+`--modes no-quotas` runs a third variant, `admission_no_quotas`: the config without tenant
+limits (`bench.overload_plan.without_quotas`) but with shedding and priorities, to see what
+they do alone.
 
 A request that has no end `--hung-grace` s after its deadline is `hung` (the goal is 0 in
 both modes). Per mode and class: SLO attainment and goodput (`bench.overload_report`), shed
@@ -35,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import logging
 import os
@@ -43,8 +47,8 @@ import platform
 import secrets
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +58,16 @@ from tqdm import tqdm
 
 from bench.goodput import interpolate_goodput, next_rate
 from bench.metrics import finite_or_none
+from bench.overload_plan import (
+    Arrival,
+    ClassPlan,
+    admission_off,
+    arrivals,
+    class_plans,
+    class_rates,
+    without_quotas,
+)
 from bench.overload_report import (
-    ClassSLO,
     Record,
     classify,
     human_table,
@@ -69,120 +81,8 @@ from bench.workloads import make_prompt
 
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-OFF_MAX_QUEUED_REQUESTS = 1_000_000  # "unbounded" for Serve's per-pool queue
 TARGET_ATTAINMENT = 0.9
-
-
-# ------------------------------------------------------------------------------ the configs
-
-
-def admission_off(args: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The app args with every admission feature disabled, and what was changed.
-
-    Tenants keep their keys and allowed pools but lose `max_concurrent_requests` and
-    `quota`; `overload.shedding.enabled` is false; every class and tenant gets the most
-    important priority present (first come, first served at every queue; the classes keep
-    their SLOs, which only label requests then); each pool's Serve queue is unbounded.
-    """
-    off = copy.deepcopy(dict(args))
-    changes: list[str] = []
-    admission = dict(off.get("admission") or {})
-    classes = [dict(c) for c in admission.get("classes") or []]
-    top = min((int(c["priority"]) for c in classes), default=0)
-    if any(c["priority"] != top for c in classes):
-        changes.append(f"every SLO class at priority {top}")
-    admission["classes"] = [{**c, "priority": top} for c in classes]
-    off["admission"] = admission
-    tenants = []
-    for tenant in off.get("tenants") or []:
-        tenant = dict(tenant)
-        dropped = [k for k in ("max_concurrent_requests", "quota") if tenant.pop(k, None)]
-        if "priority" in tenant:
-            tenant["priority"] = top
-        if dropped:
-            changes.append(f"tenant {tenant['name']}: no {' or '.join(dropped)}")
-        tenants.append(tenant)
-    off["tenants"] = tenants
-    overload = dict(off.get("overload") or {})
-    overload["shedding"] = {**(overload.get("shedding") or {}), "enabled": False}
-    off["overload"] = overload
-    changes.append("overload.shedding.enabled: false")
-    off["pools"] = [
-        {**pool, "max_queued_requests": OFF_MAX_QUEUED_REQUESTS} for pool in off.get("pools", [])
-    ]
-    changes.append(f"pools' max_queued_requests: {OFF_MAX_QUEUED_REQUESTS}")
-    return off, changes
-
-
-@dataclass(frozen=True, slots=True)
-class ClassPlan:
-    """What one class sends: its tenant's key, prompt and output length, its SLO."""
-
-    name: str
-    tenant: str
-    api_key: str
-    prompt_tokens: int
-    max_tokens: int
-    slo: ClassSLO
-
-
-def class_plans(args: Mapping[str, Any], options: argparse.Namespace) -> list[ClassPlan]:
-    """One `ClassPlan` per class of `--classes`, from the config's classes and tenants."""
-    from app.config import ConfigError, load_config
-
-    config = load_config(dict(args))
-    plans = []
-    for name in options.classes:
-        slo_class = config.admission.slo_class(name)
-        tenant = next((t for t in config.tenants if t.default_class == name), None)
-        if slo_class is None or tenant is None:
-            raise ConfigError(f"--classes: {name!r} needs a class and a tenant defaulting to it")
-        keys = sorted(tenant.resolve_api_keys())
-        if not keys:
-            raise ConfigError(f"tenant {tenant.name!r} has no API key to send {name!r} with")
-        plans.append(
-            ClassPlan(
-                name,
-                tenant.name,
-                keys[0],
-                getattr(options, f"{name}_prompt_tokens", options.prompt_tokens),
-                getattr(options, f"{name}_max_tokens", options.max_tokens),
-                ClassSLO(slo_class.ttft_s, slo_class.tpot_s),
-            )
-        )
-    return plans
-
-
-def class_rates(plans: Sequence[ClassPlan], total: float, first_share: float) -> dict[str, float]:
-    """`total` requests/s split: `first_share` to the first class, the rest evenly."""
-    if len(plans) == 1:
-        return {plans[0].name: total}
-    rest = (1 - first_share) * total / (len(plans) - 1)
-    return {p.name: first_share * total if i == 0 else rest for i, p in enumerate(plans)}
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """One request to send: when (s from the phase start), in which class, what prompt."""
-
-    at_s: float
-    slo_class: str
-    prompt: str
-
-
-def arrivals(
-    plans: Sequence[ClassPlan], rates: Mapping[str, float], duration_s: float, seed: int
-) -> list[Arrival]:
-    """Poisson arrivals of every class over `duration_s`, merged in time order."""
-    rng = np.random.default_rng(seed)
-    out: list[Arrival] = []
-    for plan in plans:
-        rate = rates[plan.name]
-        t = float(rng.exponential(1 / rate)) if rate > 0 else duration_s
-        while t < duration_s:
-            out.append(Arrival(t, plan.name, make_prompt(plan.prompt_tokens, rng)))
-            t += float(rng.exponential(1 / rate))
-    return sorted(out, key=lambda a: a.at_s)
+MODES = ("on", "off", "no-quotas")
 
 
 # ------------------------------------------------------------------------------- the load
@@ -421,15 +321,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="other classes")
     parser.add_argument("--request-timeout", type=float, default=30.0, help="server deadline")
     parser.add_argument("--hung-grace", type=float, default=30.0, help="past the deadline: hung")
-    parser.add_argument("--modes", default="off,on", help="comma list of off, on (in order)")
+    parser.add_argument(
+        "--modes", default="off,on", help="comma list of off, on, no-quotas (run in order)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", type=Path, required=True, help="write the result here")
     options = parser.parse_args(argv)
     options.classes = [c.strip() for c in options.classes.split(",") if c.strip()]
     options.modes = [m.strip() for m in options.modes.split(",") if m.strip()]
-    if not options.modes or set(options.modes) - {"on", "off"}:
-        parser.error("--modes: a comma list of on, off")
+    if not options.modes or set(options.modes) - set(MODES):
+        parser.error(f"--modes: a comma list of {', '.join(MODES)}")
     if not 0 < options.interactive_share < 1 and len(options.classes) > 1:
         parser.error("--interactive-share must be in (0, 1)")
     options.hung_after_s = options.request_timeout + options.hung_grace
@@ -438,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The server's TTFT breakdown after each phase needs an admin key (this run's own).
     on_args["admin_api_keys"] = [f"sk-bench-admin-{secrets.token_hex(8)}"]
     off_args, off_changes = admission_off(on_args)
+    no_quota_args, _ = without_quotas(on_args)
     plans = class_plans(on_args, options)
     slos = {p.name: p.slo for p in plans}
     document: dict[str, Any] = {
@@ -458,8 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibration: dict[str, Any] | None = None
     records: dict[str, list[Record]] = {}
     for mode in options.modes:
-        name = f"admission_{mode}"
-        mode_args = off_args if mode == "off" else on_args
+        name = f"admission_{mode.replace('-', '_')}"
+        mode_args = {"on": on_args, "off": off_args, "no-quotas": no_quota_args}[mode]
         records[name], calibration, document["machine"][name] = run_mode(
             mode_args, plans, options, name, calibration
         )

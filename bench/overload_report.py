@@ -25,6 +25,7 @@ from typing import Any
 from bench.metrics import percentile
 
 OUTCOMES = ("ok", "shed", "error", "hung")
+MODE_KEYS = ("admission_on", "admission_off", "admission_no_quotas")
 SHED_STATUSES = (429, 503)
 
 
@@ -142,10 +143,10 @@ def joint_attainment(records: Sequence[Record], slos: Mapping[str, ClassSLO]) ->
 
 def human_table(document: Mapping[str, Any], classes: Sequence[str]) -> str:
     """Per mode and class: attainment, goodput, outcomes; then shed reasons and hung."""
-    header = f"{'mode':<14}{'class':<13}{'sent':>6}{'ok':>6}{'shed':>6}{'error':>6}"
+    header = f"{'mode':<20}{'class':<13}{'sent':>6}{'ok':>6}{'shed':>6}{'error':>6}"
     header += f"{'attain':>8}{'goodput':>9}{'ttft p90':>10}{'tpot p90':>10}"
     lines = [header]
-    for mode in ("admission_on", "admission_off"):
+    for mode in MODE_KEYS:
         entry = document.get(mode)
         if entry is None:
             continue
@@ -155,12 +156,12 @@ def human_table(document: Mapping[str, Any], classes: Sequence[str]) -> str:
             tpot = "-" if c["tpot_p90_ms"] is None else f"{c['tpot_p90_ms']:.0f}ms"
             attain = "-" if not math.isfinite(c["attainment"]) else f"{c['attainment']:.1%}"
             lines.append(
-                f"{mode:<14}{name:<13}{c['sent']:>6}{c['ok']:>6}{c['shed']:>6}{c['error']:>6}"
+                f"{mode:<20}{name:<13}{c['sent']:>6}{c['ok']:>6}{c['shed']:>6}{c['error']:>6}"
                 f"{attain:>8}{c['goodput']:>8.2f}/s{ttft:>10}{tpot:>10}"
             )
         retry = entry["retry_after"]
         lines.append(
-            f"{mode:<14}shed {entry['shed'] or '{}'} (Retry-After on {retry['with_header']}, "
+            f"{mode:<20}shed {entry['shed'] or '{}'} (Retry-After on {retry['with_header']}, "
             f"missing on {retry['without_header']}); errors {entry['errors'] or '{}'}; "
             f"hung {entry['hung']}"
         )
@@ -183,10 +184,10 @@ def plot(document: Mapping[str, Any], classes: Sequence[str], path: Path) -> str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in ("admission_on", "admission_off") if m in document]
+    modes = [m for m in MODE_KEYS if m in document]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     width = 0.8 / max(len(modes), 1)
-    colors = {"admission_on": "tab:green", "admission_off": "tab:red"}
+    colors = dict(zip(MODE_KEYS, ("tab:green", "tab:red", "tab:blue"), strict=True))
     for panel, key, label in (
         (0, "attainment", "SLO attainment"),
         (1, "goodput", "goodput (req/s)"),

@@ -46,12 +46,13 @@ from decode.trace import GenerationTrace
 from engine.async_engine import EngineDeadError
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, ObserverFactory, PrefillRate, model_id_for
 from engine.request import Request
 from engine.signals import RecentSamples, decode_signals
+from engine.tp_kv import allocate_for_engine
 from kvtransfer import (
     KVTransferError,
     Receiver,
@@ -124,7 +125,9 @@ class DecodeServer:
             model_config = load_model_config(model_dir, engine_config.dtype)
             spec = KVCacheSpec.for_engine(engine_config, model_config)
             if backend != "shm":
-                kv_cache = KVCache.allocate(spec, engine_config.device)
+                kv_cache = allocate_for_engine(
+                    spec, engine_config.device, engine_config.tensor_parallel_size
+                )
             self.receiver = create_kv_receiver(
                 backend,
                 spec,

@@ -90,7 +90,6 @@ class Engine:
             config.cache.kv_cache_dtype,
             self.model_config.dtype,
             self.device.type,
-            config.tensor_parallel_size,
         )
         check_fp8_device(self.model_config.quantization, config.cache.kv_cache_dtype, self.device)
         check_shardable(self.model_config, config.tensor_parallel_size)

@@ -270,7 +270,7 @@ class CausalLM(nn.Module):
         quantized = self.config.quantization == "fp8"
         state = dict(state_dict)
         if quantized:
-            prepare_fp8_weights(state)
+            prepare_fp8_weights(state)  # whole tensors: TP=N quantizes exactly as TP=1
         remaining = shard_state_dict(state, self.tp.shard)
         params = dict(self.named_parameters())
         loaded: set[str] = set()

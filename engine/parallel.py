@@ -161,9 +161,7 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, device: tor
     if backend == "nccl":  # pragma: no cover - needs CUDA
         nccl_options = dist.ProcessGroupNCCL.Options()
         nccl_options._timeout = timeout
-        group = dist.ProcessGroupNCCL(store, rank, size, nccl_options)
-        group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)  # type: ignore[attr-defined]
-        return group
+        return dist.ProcessGroupNCCL(store, rank, size, nccl_options)
     raise ValueError(f"unknown process group backend {backend!r}")
 
 

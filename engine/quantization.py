@@ -45,7 +45,6 @@ def check_fp8_options(
     kv_cache_dtype: str,
     dtype: str | None,
     device: str,
-    tensor_parallel_size: int = 1,
 ) -> None:
     """ValueError with the reason when this combination cannot run (`dtype` None: not known
     yet, the checkpoint's own; the engine calls this again once it is)."""
@@ -53,12 +52,6 @@ def check_fp8_options(
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or null")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    uses_fp8 = quantization == "fp8" or kv_cache_dtype == "fp8"
-    if uses_fp8 and tensor_parallel_size > 1:
-        raise ValueError(
-            "FP8 weights and FP8 KV cache are not sharded across tensor-parallel ranks yet; "
-            "use tensor_parallel_size: 1 with quantization/kv_cache_dtype fp8"
-        )
     if quantization == "fp8" and device == "cuda" and dtype not in (None, "bfloat16"):
         raise ValueError(
             f"quantization fp8 on CUDA needs dtype bfloat16, not {dtype}: torch._scaled_mm "

@@ -27,6 +27,7 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from engine.parallel import Shard
 
 SHM_DIR = "/dev/shm"
+FILE_PREFIX = "pdtp-"  # our files: unlinked as soon as every rank has mapped them
 
 
 def rank_spec(spec: KVCacheSpec, shard: Shard) -> KVCacheSpec:
@@ -59,7 +60,7 @@ class BackingFile:
 def allocate_shared(spec: KVCacheSpec) -> tuple[KVCache, BackingFile]:
     """A zeroed cache in a new /dev/shm file; the caller unlinks `path` once every rank
     has mapped it (`unlink_quietly`)."""
-    path = os.path.join(SHM_DIR, f"pdtp-{os.getpid()}-{secrets.token_hex(4)}")
+    path = os.path.join(SHM_DIR, f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
     nbytes = max(spec.total_bytes, 1)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
@@ -71,6 +72,18 @@ def allocate_shared(spec: KVCacheSpec) -> tuple[KVCache, BackingFile]:
     finally:
         os.close(fd)
     return _over(mapping, 0, spec), BackingFile(path, 0, nbytes)
+
+
+def allocate_for_engine(spec: KVCacheSpec, device: str, tensor_parallel_size: int) -> KVCache:
+    """A zeroed cache to hand an engine: in /dev/shm when its ranks are CPU processes
+    that must share it (the engine drops the file's name once they have mapped it)."""
+    if tensor_parallel_size > 1 and not device.startswith("cuda"):
+        return allocate_shared(spec)[0]
+    return KVCache.allocate(spec, device)
+
+
+def is_ours(backing: BackingFile) -> bool:
+    return os.path.basename(backing.path).startswith(FILE_PREFIX)
 
 
 def map_shared(backing: BackingFile, spec: KVCacheSpec) -> KVCache:

@@ -44,6 +44,7 @@ from engine.tp_kv import (
     BackingFile,
     allocate_shared,
     backing_file,
+    is_ours,
     map_shared,
     rank_spec,
     rank_view,
@@ -230,24 +231,26 @@ def start_workers(
     rank 0's shard (KV transfer from GPU ranks is not built: config validation says so).
     """
     shard = Shard(model_config, 0, config.tensor_parallel_size)
-    created = backing = None
+    backing = None
     if config.device.startswith("cuda"):  # pragma: no cover - needs CUDA
         if kv_cache is not None:
             raise ValueError("a tensor-parallel CUDA replica allocates its own KV shards")
         own = KVCache.allocate(rank_spec(kv_spec, shard), config.device)
     elif kv_cache is None:
         kv_cache, backing = allocate_shared(kv_spec)
-        created = backing.path
     else:
         backing = backing_file(kv_cache)
         if backing is None:
-            raise ValueError("a tensor-parallel replica's KV cache must live in /dev/shm")
+            raise ValueError(
+                "a CPU tensor-parallel replica's KV cache must live in /dev/shm "
+                "(tp_kv.allocate_for_engine, or the shm receiver's)"
+            )
     try:
         workers = TPWorkers(config, model_dir, model_config, kv_spec, backing)
         workers.wait_ready()
     finally:
-        if created is not None:  # every rank has mapped it (or failed): drop the name
-            unlink_quietly(created)
+        if backing is not None and is_ours(backing):  # every rank has mapped it (or failed)
+            unlink_quietly(backing.path)
     if kv_cache is None:  # pragma: no cover - CUDA
         return workers, own, own
     return workers, kv_cache, rank_view(kv_cache, shard)

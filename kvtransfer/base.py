@@ -1,6 +1,7 @@
-"""The KV-transfer interface: a decode-side receiver and a prefill-side sender.
+"""The KV-transfer vocabulary both ends share: states, errors, layout, ticket, options.
 
-A transfer's lifecycle (one per request, decode as orchestrator):
+A transfer's lifecycle (one per request, decode as orchestrator; `Receiver` in
+`receiver.py`, `Sender` in `sender.py`):
 
     decode: open_ticket ──▶ PENDING ──first layer accepted──▶ TRANSFERRING ──finish──▶ DONE
     prefill:                 send_layer(0) … send_layer(L-1), finish

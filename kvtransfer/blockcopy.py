@@ -4,7 +4,8 @@ A layer's K (or V) cache `[num_blocks, block_size, kv_heads, head_dim]` is viewe
 numpy `[num_blocks, bytes_per_block]` uint8 matrix ("rows"). Rows are dtype-agnostic (bf16
 works) and numpy copies whole rows with one memcpy each, in C, with the GIL released, so a
 copy overlaps the prefill's next layer. (`torch.index_copy_` moves ~0.4 GB/s on CPU here;
-this moves at memcpy speed.) CUDA tensors go through `kernels.kv_pack` instead.
+this moves at memcpy speed.) Large transfers use `ntcopy`'s streaming stores instead;
+CUDA tensors go through `kernels.kv_pack`.
 
 A transfer's block ids are the same for every layer, so a `CopyPlan` is built once per
 transfer: runs where source and destination ids both advance by one become slice copies
@@ -23,7 +24,6 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
-from kvtransfer import ntcopy
 
 STAGING_BYTES = 256 * 1024  # chunk of the two-sided path: fits in L2 on current CPUs
 MIN_MEAN_RUN = 4  # blocks per run below which per-run slice copies lose to fancy indexing
@@ -130,19 +130,9 @@ class CopyPlan:
             dst_ids=dst,
         )
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.src_ids)
-
-    def copy(self, src_rows: np.ndarray, dst_rows: np.ndarray, streaming: bool = False) -> None:
-        """Copy the planned rows from `src_rows` into `dst_rows` (both `[blocks, bytes]`).
-
-        `streaming`: the destination will not be read by this core soon (another process's
-        cache, freshly landed network data): use streaming stores when available.
-        """
-        if streaming and ntcopy.available():
-            ntcopy.copy_rows(src_rows, dst_rows, self.src_ids, self.dst_ids)
-        elif self.kind == "slices":
+    def copy(self, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+        """Copy the planned rows from `src_rows` into `dst_rows` (both `[blocks, bytes]`)."""
+        if self.kind == "slices":
             for s, d, k in self.slices:
                 dst_rows[d : d + k] = src_rows[s : s + k]
         elif self.kind == "scatter":

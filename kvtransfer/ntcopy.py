@@ -5,10 +5,10 @@ block (12 KiB for a 135M model) is copied with ordinary stores, which first read
 destination line into the cache (read-for-ownership) and then evict it: about half a
 large memcpy's bandwidth on the machines we measured. Blocks written into another
 process's cache (shm) or landed from the network (tcp) are not read again by this core,
-so streaming stores are the right tool. `copy_rows` does a whole layer's gather/scatter
-in one call (GIL released), with AVX-512 streaming stores where the CPU has them (up to 4
-pages of a block streamed side by side, like glibc's large memcpy), SSE2 otherwise, and
-plain memcpy off x86.
+so streaming stores are the right tool. `copy_rows_many` does the gathers/scatters of
+several layers in one call (GIL released), with AVX-512 streaming stores where the CPU
+has them (up to 4 pages of a block streamed side by side, like glibc's large memcpy),
+SSE2 otherwise, and plain memcpy off x86.
 
 The ~40-line C helper below is compiled on first use with the system C compiler (the
 one Triton also needs) into a private directory (`~/.cache/pdserve`, else
@@ -252,28 +252,6 @@ def worth_streaming(transfer_bytes: int) -> bool:
     return transfer_bytes >= STREAMING_MIN_BYTES and available()
 
 
-def copy_rows(
-    src_rows: np.ndarray, dst_rows: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray
-) -> None:
-    """`dst_rows[dst_ids] = src_rows[src_ids]` with streaming stores; bounds are checked.
-
-    Rows are C-contiguous `[num_rows, row_bytes]` uint8 matrices; ids are int64 vectors.
-    """
-    for rows in (src_rows, dst_rows):
-        if not rows.flags.c_contiguous or rows.dtype != np.uint8 or rows.ndim != 2:
-            raise ValueError("rows must be C-contiguous 2-D uint8")
-    if src_rows.shape[1] != dst_rows.shape[1]:
-        raise ValueError(f"row sizes differ: {src_rows.shape[1]} vs {dst_rows.shape[1]}")
-    copy_rows_many(
-        [(src_rows.ctypes.data, dst_rows.ctypes.data)],
-        src_ids,
-        dst_ids,
-        row_bytes=src_rows.shape[1],
-        src_num_rows=src_rows.shape[0],
-        dst_num_rows=dst_rows.shape[0],
-    )
-
-
 def copy_rows_many(
     pairs: list[tuple[int, int]],
     src_ids: np.ndarray,
@@ -283,7 +261,8 @@ def copy_rows_many(
     src_num_rows: int,
     dst_num_rows: int,
 ) -> None:
-    """`copy_rows` for several (source address, destination address) row matrices at once.
+    """`dst[dst_ids] = src[src_ids]` with streaming stores, for several (source address,
+    destination address) row matrices at once; ids are int64 vectors.
 
     Every source matrix has `src_num_rows` rows of `row_bytes` bytes at its address, every
     destination `dst_num_rows` (the caller guarantees those; ids are checked against them).

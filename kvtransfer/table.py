@@ -13,8 +13,8 @@ A `TransferTable` holds one `TransferRecord` per request id and guarantees:
   SIGSTOPped: cutting its connection does not stop its copy);
 - terminal records linger `tombstone_ttl_s` so late polls and late frames are answered.
 
-A `Reaper` thread calls its owner's `reap()` periodically: expire overdue transfers, time
-out fences, forget old tombstones.
+A `Reaper` thread calls its owner's `_reap` (the `Receiver`'s or `Sender`'s) periodically:
+expire overdue transfers, time out fences, forget old tombstones.
 """
 
 from __future__ import annotations

@@ -208,6 +208,39 @@ def test_cold_start_latency_at_low_load_never_scales() -> None:
         assert after_peak[-1] == MIN and after_peak.index(MIN) < len(cold)
 
 
+def test_a_prefill_backlog_does_not_scale_decode() -> None:
+    # Recorded by `pdserve bench autoscale` (cpu-autoscale) during the long-prompt phase:
+    # decode KV held for prompts queued at prefill, nothing running, ITL p90 inflated by the
+    # busy machine. It must not add a decode replica (it did while ITL was gated on KV).
+    knobs = PolicyKnobs(tpot_slo_ms=40, target_running_seqs=6, downscale_utilization=0.5)
+    signals = {
+        "kv_blocks_used": 422.0,
+        "kv_blocks_total": 1000.0,
+        "num_running": 0.0,
+        "num_waiting": 0.0,
+        "itl_p90_ms": 59.8,
+    }
+    demand = decode_demand([signals], knobs)
+    assert not demand.breached and demand.replicas == pytest.approx(0.603, abs=1e-3)
+    assert (
+        decide(
+            demand,
+            1,
+            now=0,
+            last_scale_up=None,
+            last_scale_down=None,
+            knobs=knobs,
+            min_replicas=1,
+            max_replicas=2,
+        )
+        == 1
+    )
+    # Its own load does: the batch past the band with ITL over the SLO, or many sequences.
+    busy = {**signals, "num_running": 4.0}
+    assert decode_demand([busy], knobs).signal(1, 2) == "itl_p90"
+    assert decode_demand([{**busy, "num_running": 9.0}], knobs).signal(1, 2) == "running_seqs"
+
+
 def test_a_real_overload_still_breaches_on_latency() -> None:
     # The queue is past the band but the measured rate is optimistic: the demand alone
     # fits one replica, the TTFT over the SLO adds the second.
@@ -228,7 +261,11 @@ class _Lines(logging.Handler):
 
 def test_policy_logs_each_decision_once_with_its_signal() -> None:
     policy = DecodePolicy(**{**AutoscalingSettings(max_replicas=4).policy_knobs()})
-    full = {"kv_blocks_used": {"a": 90.0}, "kv_blocks_total": {"a": 100.0}, "itl_p90_ms": {"a": 5}}
+    full = {
+        "kv_blocks_used": {"a": 90.0},
+        "kv_blocks_total": {"a": 100.0},
+        "itl_p90_ms": {"a": 5.0},
+    }
     state: dict[str, object] = {}
     handler = _Lines()  # Serve's logger does not propagate to the root (caplog's) handler
     logger.addHandler(handler)

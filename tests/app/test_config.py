@@ -232,6 +232,12 @@ INVALID: list[tuple[str, Callable[[Config], object], str]] = [
     ),
     ("bad backend", lambda c: c.update(transfer={"backend": "rdma"}), "'shm', 'tcp'"),
     ("deadline", lambda c: c.update(transfer={"deadline_s": 0}), "greater than 0"),
+    ("bind host", lambda c: c.update(transfer={"bind_host": "node-a"}), "not an IP address"),
+    (
+        "advertise wildcard",
+        lambda c: c.update(transfer={"advertise_host": "0.0.0.0"}),
+        "advertise_host must be an address peers can connect to",
+    ),
     (
         "no keys",
         lambda c: c["tenants"][0].update(api_keys=[]),

@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from app.config import PDServeConfig
 from app.memory import H200_MEMORY_BYTES, rank_memory, weight_bytes
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
@@ -69,6 +70,12 @@ def _example_70b() -> dict[str, Any]:
     (app,) = [app for app in data["applications"] if app["name"] == EXAMPLE_70B]
     args: dict[str, Any] = app["args"]
     return args
+
+
+def test_70b_example_is_a_valid_config() -> None:
+    config = PDServeConfig.model_validate(_example_70b())
+    (pool,) = config.pools
+    assert pool.num_gpus == config.model.tensor_parallel_size == 2
 
 
 def test_70b_example_fits_an_h200() -> None:

@@ -4,6 +4,7 @@ greedy output token for token what one-process (TP=1) engines produce."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,8 +14,13 @@ import ray
 from pydantic import ValidationError
 
 from app.config import PDServeConfig
+from decode.protocol import GenerationSpec
+from decode.server import DecodeServer
+from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
+from prefill.server import PrefillServer
+from tests.decode.test_server import InProcessHandle
 
 if TYPE_CHECKING:
     from tests.app.conftest import Server
@@ -137,6 +143,40 @@ def test_killed_replica_leaves_no_worker(server: Server, tp1_texts: list[str]) -
     assert out.choices[0].text == tp1_texts[1]
 
 
+# ---- the same servers without Ray (every transfer backend on the CPU) -------------------
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_tp2_servers_in_process_equal_tp1(
+    model_dir: Path, tp1_texts: list[str], backend: str
+) -> None:
+    config = EngineConfig(model_dir=str(model_dir), num_threads=1, tensor_parallel_size=2)
+    prefill = PrefillServer(config, backend=backend)
+    handle = InProcessHandle(prefill)
+    decode = DecodeServer(config, backend=backend, prefill_pools={"p": handle}, deadline_s=60)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+    async def text(i: int, prompt: str) -> str:
+        spec = GenerationSpec(
+            request_id=f"r{i}",
+            prompt_token_ids=tuple(decode.engine.tokenize(prompt)),
+            sampling_params=params,
+            prefill_pool="p",
+        )
+        return "".join([delta.new_text async for delta in decode.generate(spec)])
+
+    async def run() -> list[str]:
+        return list(await asyncio.gather(*(text(i, p) for i, p in enumerate(PROMPTS))))
+
+    try:
+        assert asyncio.run(run()) == tp1_texts
+        assert decode.stats()["counters"]["remote_prefill"] == len(PROMPTS)
+    finally:
+        for server in (decode, prefill):
+            server.shutdown()
+            server.engine.close()
+
+
 # ---- configuration ----------------------------------------------------------------------
 
 
@@ -160,11 +200,31 @@ def test_tp_size_is_one_setting_for_both_pools() -> None:
     assert {config.engine_config(p).tensor_parallel_size for p in config.pools} == {2}
 
 
-def test_cuda_tp_needs_a_gpu_per_rank() -> None:
+def test_cuda_tp_needs_a_gpu_per_rank_and_serves_colocated() -> None:
+    colocated = {"local_prefill_threshold": 10**6}
     with pytest.raises(ValidationError, match="set num_gpus to 4"):
         PDServeConfig.model_validate(
             {
                 "model": {"tensor_parallel_size": 4, "device": "cuda"},
                 "pools": [{"name": "d", "role": "decode", "num_gpus": 1}],
+                **colocated,
             }
         )
+    with pytest.raises(ValidationError, match="per-rank transfer endpoints"):
+        PDServeConfig.model_validate(
+            {
+                "model": {"tensor_parallel_size": 2, "device": "cuda"},
+                "pools": [
+                    {"name": "p", "role": "prefill", "num_gpus": 2},
+                    {"name": "d", "role": "decode", "num_gpus": 2},
+                ],
+                "transfer": {"backend": "nccl"},
+            }
+        )
+    PDServeConfig.model_validate(
+        {
+            "model": {"tensor_parallel_size": 2, "device": "cuda"},
+            "pools": [{"name": "d", "role": "decode", "num_gpus": 2}],
+            **colocated,
+        }
+    )

@@ -120,3 +120,10 @@ def test_report_pairs_changes_with_their_decisions_and_judges_each_pool() -> Non
         {"t_s": 35, "phase": "prefill-peak", "signal": "itl_p90"}
     ]
     assert not bad["prefill"]["ok"] and not bad["prefill"]["back_to_min"]
+    # So does a decision to add one there, even if Serve dropped it before a replica ran.
+    wanted = {"t_s": 45.0, "pool": "decode", "current": 1, "desired": 2, "signal": "kv_usage"}
+    held = verdict(scaled, roles, mins, mins, RAMP, [*events, wanted])
+    assert held["prefill"]["ok"] and not held["decode"]["ok"]
+    assert held["decode"]["scaled_up_elsewhere"] == [
+        {"t_s": 45.0, "phase": "prefill-down", "signal": "kv_usage", "decision_only": True}
+    ]

@@ -19,14 +19,15 @@ import pytest
 
 from app.cli import main
 from app.config import ConfigError, load_config
-from bench.overload import (
+from bench.overload import send
+from bench.overload_plan import (
     OFF_MAX_QUEUED_REQUESTS,
     ClassPlan,
     admission_off,
     arrivals,
     class_plans,
     class_rates,
-    send,
+    without_quotas,
 )
 from bench.overload_report import (
     ClassSLO,
@@ -125,7 +126,7 @@ def test_table_and_plot(tmp_path: Path) -> None:
         "calibration": {"goodput": 2.0},
     }
     table = human_table(document, ["interactive", "batch"])
-    assert "admission_on  interactive" in table and "hung 1" in table and "hung 0" in table
+    assert "admission_on        interactive" in table and "hung 1" in table and "hung 0" in table
     path = plot(document, ["interactive", "batch"], tmp_path / "overload.png")
     assert Path(path).stat().st_size > 0
 
@@ -155,6 +156,18 @@ def test_admission_off_disables_every_admission_feature(tenants_args: dict) -> N
     assert {p.max_queued_requests for p in off.pools} == {OFF_MAX_QUEUED_REQUESTS}
     assert "overload.shedding.enabled: false" in changes
     assert any("globex" in c and "quota" in c for c in changes)
+
+
+def test_without_quotas_keeps_shedding_and_priorities(tenants_args: dict) -> None:
+    args, changes = without_quotas(tenants_args)
+    config, on = load_config(args), load_config(tenants_args)
+    assert all(t.max_concurrent_requests is None for t in config.tenants)
+    assert all(t.quota == type(t.quota)() for t in config.tenants)
+    assert config.overload == on.overload and config.admission == on.admission
+    assert [p.max_queued_requests for p in config.pools] == [
+        p.max_queued_requests for p in on.pools
+    ]
+    assert len(changes) == 2  # acme and globex
 
 
 def _options(**overrides: object) -> argparse.Namespace:

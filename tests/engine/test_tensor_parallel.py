@@ -125,6 +125,15 @@ def test_tp2_equals_tp1_small() -> None:
     assert _token_ids(_engine("small", 2, dtype="float32"), prompts, params) == expected
 
 
+def test_tp2_equals_tp1_with_fp8_weights_and_kv() -> None:
+    """FP8 is quantized from the full checkpoint, then sharded with its scales."""
+    from engine.config import CacheConfig
+
+    fp8 = {"quantization": "fp8", "cache": CacheConfig(kv_cache_dtype="fp8")}
+    expected = _token_ids(_engine("tiny-qwen2", 1, **fp8), PROMPTS, GREEDY)
+    assert _token_ids(_engine("tiny-qwen2", 2, **fp8), PROMPTS, GREEDY) == expected
+
+
 def _scheduler(**fields: int) -> object:
     from engine.config import SchedulerConfig
 

@@ -299,9 +299,7 @@ def eventually(predicate: Callable[[], bool], timeout_s: float) -> bool:
     return predicate()
 
 
-def make_receiver(
-    backend: str, s: KVCacheSpec, released: Released, **endpoint: object
-) -> Receiver:
+def make_receiver(backend: str, s: KVCacheSpec, released: Released, **endpoint: object) -> Receiver:
     return create_receiver(
         backend, s, model_id="test-model", release=released, options=FAST, **endpoint
     )

@@ -20,6 +20,18 @@ from kvtransfer.blockcopy import (
 )
 
 
+def copy_rows(src: np.ndarray, dst: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+    """`dst[dst_ids] = src[src_ids]` for two `[rows, bytes]` matrices, with streaming stores."""
+    ntcopy.copy_rows_many(
+        [(src.ctypes.data, dst.ctypes.data)],
+        src_ids,
+        dst_ids,
+        row_bytes=src.shape[1],
+        src_num_rows=src.shape[0],
+        dst_num_rows=dst.shape[0],
+    )
+
+
 @given(st.lists(st.integers(0, 40), max_size=30, unique=True))
 def test_contiguous_runs_cover_ids_in_order(ids: list[int]) -> None:
     arr = np.asarray(ids, dtype=np.int64)
@@ -57,7 +69,10 @@ def test_copy_plan_copies_exactly_the_planned_rows(
     src = rng.integers(0, 255, size=(40, row_bytes), dtype=np.uint8)
     dst = np.zeros((40, row_bytes), dtype=np.uint8)
     plan = CopyPlan.build(src_ids, dst_ids, row_bytes)
-    plan.copy(src, dst, streaming=streaming)
+    if streaming and ntcopy.available():  # the path shm takes for large transfers
+        copy_rows(src, dst, plan.src_ids, plan.dst_ids)
+    else:
+        plan.copy(src, dst)
     assert np.array_equal(dst[dst_ids], src[src_ids])
     others = [b for b in range(40) if b not in dst_ids]
     assert not dst[others].any()
@@ -101,8 +116,8 @@ def test_streaming_copy_checks_bounds() -> None:
         pytest.skip("no C compiler for the streaming-copy helper")
     src, dst = np.ones((4, 64), np.uint8), np.zeros((4, 64), np.uint8)
     with pytest.raises(IndexError):
-        ntcopy.copy_rows(src, dst, np.array([0], np.int64), np.array([4], np.int64))
+        copy_rows(src, dst, np.array([0], np.int64), np.array([4], np.int64))
     with pytest.raises(ValueError):
-        ntcopy.copy_rows(src, dst, np.array([0, 1], np.int64), np.array([0], np.int64))
-    ntcopy.copy_rows(src, dst, np.array([3, 0], np.int64), np.array([1, 2], np.int64))
+        copy_rows(src, dst, np.array([0, 1], np.int64), np.array([0], np.int64))
+    copy_rows(src, dst, np.array([3, 0], np.int64), np.array([1, 2], np.int64))
     assert dst[[1, 2]].all() and not dst[[0, 3]].any()

@@ -15,7 +15,7 @@ import torch
 from kvt_peers import SendJob, serve, source_cache
 
 from engine.kv_cache import KVCacheSpec
-from kvtransfer import TransferOptions, TransferState, create_receiver, create_sender
+from kvtransfer import TransferOptions, TransferState, create_receiver
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,30 +40,7 @@ def test_nccl_binding_grouped_self_send_recv() -> None:
     lib.group_end()
     torch.cuda.synchronize()
     assert torch.equal(src, dst)
-    lib.comm_destroy(comm)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_local_backend_moves_gpu_blocks_with_kv_pack(dtype: str) -> None:
-    spec = KVCacheSpec(4, 64, 16, 2, 64, dtype)
-    released: list[str] = []
-    from engine.kv_cache import KVCache
-
-    receiver = create_receiver(
-        "local", spec, KVCache.allocate(spec, "cuda"), model_id="m", release=released.append
-    )
-    sender = create_sender("local", spec, model_id="m", release=released.append)
-    source = KVCache(spec, source_cache(spec, 1).flat.cuda())
-    dst, src = [5, 9, 33, 2, 60], [1, 2, 3, 40, 41]
-    ticket = receiver.open_ticket("g", dst, 10.0)
-    for layer in range(spec.num_layers):
-        sender.send_layer(ticket, layer, source.key_caches[layer], source.value_caches[layer], src)
-    sender.finish(ticket)
-    assert receiver.poll("g") is TransferState.DONE
-    for layer in range(spec.num_layers):
-        assert torch.equal(receiver.kv_cache.key_caches[layer][dst], source.key_caches[layer][src])
-    sender.close()
-    receiver.close()
+    lib.comm_abort(comm)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank")
