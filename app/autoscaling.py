@@ -20,7 +20,9 @@ Hysteresis: the pool grows as soon as demand exceeds its replicas, but shrinks (
 at a time) only when the remaining replicas would be loaded at most `downscale_utilization`
 of target and nothing breaches. Latency counts only under load: over its SLO while the load
 signal is inside that band, it is a slow or cold replica (a fresh replica's first requests,
-a busy machine), which another replica would not fix, so it neither adds nor keeps one.
+a busy machine), which another replica would not fix, so it adds none. A pool that grew on a
+latency breach shrinks only once latency is under `downscale_utilization` of its SLO (else
+it would flap: the load that breached fits one replica fewer).
 Cool-downs count from Serve's own record of the last scale-up / scale-down, so a decision
 that Serve's delay holds back is not lost.
 
@@ -33,6 +35,7 @@ latency percentiles and the measured rate need several samples).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -47,6 +50,7 @@ ReplicaSignals = Mapping[str, float]  # one replica's averaged signals, by name
 # controller's log file (`logs/serve/controller_<pid>.log`).
 logger = logging.getLogger("ray.serve.pdserve.autoscaling")
 SCALING_EVENT = "pdserve-scaling-decision"  # marks a decision's log line (then its JSON)
+LATENCY_SIGNALS = frozenset({"ttft_p90", "itl_p90"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,7 @@ class Demand:
     calm: bool  # no breach and nothing queued unadmitted: removing a replica is allowed
     load_signal: str = ""  # the signal `replicas` comes from (the largest demand)
     breach_signal: str | None = None  # the signal over its SLO when `breached`
+    latency_calm: bool = True  # latency at most `downscale_utilization` of its SLO
     values: Mapping[str, float] = field(default_factory=dict)  # the inputs, for the record
 
     def signal(self, current: int, desired: int) -> str:
@@ -106,6 +111,7 @@ def prefill_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> De
         replicas=needed,
         breached=breached,
         calm=not breached,
+        latency_calm=ttft_ms <= knobs.downscale_utilization * knobs.ttft_slo_ms,
         load_signal="queue_wait",
         breach_signal="ttft_p90" if breached else None,
         values={
@@ -145,6 +151,7 @@ def decode_demand(replicas: Sequence[ReplicaSignals], knobs: PolicyKnobs) -> Dem
         replicas=needed,
         breached=breach_signal is not None,
         calm=not slow and waiting < 0.5,
+        latency_calm=itl_ms <= knobs.downscale_utilization * knobs.tpot_slo_ms,
         load_signal=load_signal,
         breach_signal=breach_signal,
         values={
@@ -216,6 +223,11 @@ class _PoolPolicy:
         if not signals:  # no replica has reported yet: hold
             return current, dict(ctx.policy_state)
         demand = self._demand(signals, self.knobs)
+        # A pool that grew for latency shrinks only once latency is well under its SLO:
+        # its load alone (inside the band) did not ask for the replica, so it cannot say
+        # the replica is no longer needed.
+        if ctx.policy_state.get("grew_for_latency") and not demand.latency_calm:
+            demand = dataclasses.replace(demand, calm=False)
         desired = decide(
             demand,
             current,
@@ -232,6 +244,7 @@ class _PoolPolicy:
             decision = [desired, demand.signal(current, desired)]
             if decision != ctx.policy_state.get("decision"):
                 logger.info("%s %s", SCALING_EVENT, json.dumps(event(ctx, desired, demand)))
+            state["grew_for_latency"] = desired > current and decision[1] in LATENCY_SIGNALS
         state["decision"] = decision
         return desired, state
 

@@ -1,7 +1,7 @@
 """Device memory of one rank of a replica, from the model's shape and the engine settings.
 
 Used to check that a configuration fits its accelerator before anything is deployed
-(`tests/app/test_memory.py` checks `configs/h200.yaml`'s 70B example against an H200).
+(`tests/app/test_memory.py` checks `configs/h200-70b.yaml` against an H200).
 The figures follow what the engine allocates:
 
 - weights: the rank's shard (`engine.parallel`): its part of the decoder projections

@@ -137,14 +137,14 @@ def cast_floating_(model: nn.Module, dtype: torch.dtype) -> None:
     """`model.to(dtype)` for every floating parameter and buffer except FP8 weights and
     their float32 scales (`keeps_dtype`), in place."""
     for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for name, tensor in tensors.items():
-                if tensor is None or not tensor.is_floating_point() or keeps_dtype(name, tensor):
-                    continue
-                if isinstance(tensor, nn.Parameter):
-                    tensor.data = tensor.data.to(dtype)
-                else:
-                    tensors[name] = tensor.to(dtype)
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and not keeps_dtype(name, param):
+                param.data = param.data.to(dtype)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            if buffer.is_floating_point() and not keeps_dtype(name, buffer):
+                module.register_buffer(
+                    name, buffer.to(dtype), name not in module._non_persistent_buffers_set
+                )
 
 
 class Fp8Linear(nn.Module):

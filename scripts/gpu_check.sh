@@ -70,7 +70,7 @@ echo "== fp8 tests (scaled_mm vs reference, CUDA FP8 engine vs CPU FP8 engine, T
 timeout 180 "$PY" -m pytest -m gpu tests/engine/test_fp8_gpu.py -q -p no:cacheprovider -rs 2>&1 \
   | tail -6
 fp8_rc=${PIPESTATUS[0]}
-timeout 180 "$PY" -m pytest tests/kernels/test_triton_kernels.py -k fp8 -q -p no:cacheprovider \
+timeout 240 "$PY" -m pytest tests/kernels/test_triton_kernels.py -k fp8 -q -p no:cacheprovider \
   -rs 2>&1 | tail -4
 [ "${PIPESTATUS[0]}" -eq 0 ] || fp8_rc=1
 if "$PY" -c 'import sys, torch; sys.exit(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)))'; then

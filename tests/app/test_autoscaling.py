@@ -250,6 +250,33 @@ def test_a_real_overload_still_breaches_on_latency() -> None:
     assert _run([1.0] * 3, lambda _, n: prefill_demand(signals, KNOBS)) == [2, 2, 2]
 
 
+def test_a_pool_grown_for_latency_shrinks_once_latency_is_calm() -> None:
+    # Recorded (cpu-autoscale, long-prompt phase): one prefill replica, the queue inside the
+    # band but TTFT p90 over the 300 ms SLO -> a second replica; with two, the same load fits
+    # one replica fewer. It must not drop back while TTFT is still high (that flaps).
+    knobs = {**AutoscalingSettings(max_replicas=2).policy_knobs(), "ttft_slo_ms": 300.0}
+    knobs |= {"queue_wait_fraction": 0.25, "downscale_utilization": 0.5}
+    policy = PrefillPolicy(**knobs)
+
+    def signals(queued: float, ttft_ms: float) -> dict[str, dict[str, float]]:
+        return {
+            "queued_prompt_tokens": {"r": queued},
+            "prefill_tokens_per_s": {"r": 14000.0},
+            "ttft_p90_ms": {"r": ttft_ms},
+        }
+
+    up, state = policy(_context(signals(700, 330), 1, capacity_adjusted_max_replicas=2))
+    assert up == 2 and state["grew_for_latency"]
+    long_ago = {"last_scale_up_time": 0.0, "current_time": 1000.0, "policy_state": state}
+    assert policy(_context(signals(180, 330), 2, **long_ago))[0] == 2  # still slow: hold
+    assert policy(_context(signals(180, 120), 2, **long_ago))[0] == 1  # calm: shrink
+    # A pool that grew on its load signal shrinks on the load signal alone.
+    up, state = policy(_context(signals(3000, 100), 1, capacity_adjusted_max_replicas=2))
+    assert up == 2 and not state["grew_for_latency"]
+    long_ago["policy_state"] = state
+    assert policy(_context(signals(180, 330), 2, **long_ago))[0] == 1
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)

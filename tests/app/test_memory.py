@@ -1,5 +1,5 @@
 """Per-GPU memory math: exact for the weights and KV the engine really allocates, and the
-70B example of configs/h200.yaml fits an H200 (weights per rank + KV + activations)."""
+70B example, configs/h200-70b.yaml, fits an H200 (weights per rank + KV + activations)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_tp2_weight_and_kv_bytes_equal_a_running_rank0() -> None:
 
 
 def _example_70b() -> dict[str, Any]:
-    data = yaml.safe_load((ROOT / "configs" / "h200.yaml").read_text())
+    data = yaml.safe_load((ROOT / "configs" / "h200-70b.yaml").read_text())
     (app,) = [app for app in data["applications"] if app["name"] == EXAMPLE_70B]
     args: dict[str, Any] = app["args"]
     return args

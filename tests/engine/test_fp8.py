@@ -197,3 +197,22 @@ def test_fp8_accuracy_on_tiny_is_within_the_documented_bounds(tiny: Path) -> Non
         max_error, min_agreement = TINY_BOUNDS[(row["quantization"], row["kv_cache_dtype"])]
         assert row["rel_logit_error_mean"] < max_error, row
         assert row["greedy_agreement"] >= min_agreement, row
+
+
+def test_tensor_parallel_fp8_equals_single_rank_fp8(tiny: Path) -> None:
+    """FP8 weights are quantized whole, then sharded (scales follow their rows), and each
+    rank's FP8 KV shard uses its heads' scales: TP=2 gives TP=1's tokens (gloo on the CPU)."""
+    expected = engine(tiny, "fp8", "fp8").generate(PROMPTS, GREEDY)
+    config = EngineConfig(
+        model_dir=str(tiny),
+        quantization="fp8",
+        tensor_parallel_size=2,
+        num_threads=1,
+        cache=CacheConfig(kv_cache_bytes=4 * 1024 * 1024, kv_cache_dtype="fp8"),
+    )
+    sharded = Engine(config)
+    try:
+        got = sharded.generate(PROMPTS, GREEDY)
+    finally:
+        sharded.close()
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]

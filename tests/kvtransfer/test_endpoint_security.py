@@ -239,7 +239,8 @@ def test_layer_frame_of_the_wrong_size_fails_the_transfer_and_releases(backend: 
     released = Released()
     s = spec(3)
     with receiver_with(backend, s, released, AUTHED) as receiver:
-        ticket = receiver.open_ticket("w", (1, 2, 3), 20.0)
+        # long enough for a child python (torch import) to start on a busy machine
+        ticket = receiver.open_ticket("w", (1, 2, 3), 120.0)
         # shm LAYER frames carry no payload, tcp ones exactly 2 * 3 blocks of one layer
         wrong = 8 if backend == "shm" else 2 * 3 * s.bytes_per_block_per_layer + 1
         # from another process: an shm writer's blocks are quarantined until it is gone
