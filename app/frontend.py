@@ -3,10 +3,14 @@
 Authenticate the key → tenant, validate and tokenize (off the event loop), route (pool choice
 recorded) and resolve the SLO class (its priority replaces the route's), admit against the
 tenant's global quotas (`app/admission/controller.py`), then fan `n` choices out as streaming
-calls to a decode pool and merge their deltas (output tokens charged as they stream). A
-decode replica that dies under a request fails it with `ReplicaLostError` (503); a request
-the engine failed (and isolated) gets a 500 with code "request_failed". No FastAPI here:
-`app/ingress.py` adds HTTP on top.
+calls to a decode pool (`app/choices.py`) and merge their deltas (output tokens charged as
+they stream). A decode replica that dies under a request fails it with `ReplicaLostError`
+(503); a request the engine failed (and isolated) gets a 500 with code "request_failed".
+A degradable request may be moved to the fallback pool (`app/admission/fallback.py`) when
+it would be shed, when its prefill pool's breaker is open on its decode pool, or when the
+decode pool's queue is full before its first token. What `prepare` hands to `run` is a
+`PreparedRequest` (`app/prepared.py`); routing decisions are kept by `app/routing_log.py`.
+No FastAPI here: `app/ingress.py` adds HTTP on top.
 """
 
 from __future__ import annotations
@@ -16,37 +20,34 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from opentelemetry import trace
-from ray.exceptions import RayActorError
 
 from app.admission.adaptive import AdaptivePrefill
-from app.admission.classes import ClassResolver, ServiceClass
+from app.admission.classes import ClassResolver
 from app.admission.controller import Admission, decode_pool_blocks, tenant_quotas
-from app.admission.deadlines import Deadline
 from app.admission.fallback import (
     TRIGGER_BACKPRESSURE,
+    TRIGGER_BREAKER,
     TRIGGER_SHED,
     FallbackPolicy,
-    Served,
+    breaker_open,
     fallback_model_config,
     is_backpressure,
 )
 from app.admission.overload import OverloadGuard
+from app.choices import cancel_choices, pump_choice
 from app.config import PDServeConfig
 from app.errors import (
     APIError,
     AuthenticationError,
     BadRequestError,
     ContextLengthExceededError,
-    InternalServerError,
     ModelNotFoundError,
-    ReplicaLostError,
 )
 from app.observability.request_metrics import (
     STATUS_CLIENT_GONE,
@@ -57,36 +58,18 @@ from app.observability.request_metrics import (
 )
 from app.observability.telemetry import IngressTelemetry, route_span
 from app.observability.tracing import carrier_for, child_span
+from app.prepared import PreparedRequest
 from app.prompts import PromptTokenizer
-from app.protocol import choice_sampling_params
-from app.router import RouteDecision, RouterPolicy
-from decode.protocol import GenerationSpec
-from decode.serve_calls import new_call_id
+from app.router import RouterPolicy
+from app.routing_log import RoutingLog
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
-from engine.outputs import RequestFailedError, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import SamplingParams, context_overflow
 
 logger = logging.getLogger(__name__)
 _tracer = trace.get_tracer("pdserve.ingress")
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedRequest:
-    """A request that passed every check, ready to run."""
-
-    request_id: str
-    tenant: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    n: int
-    route: RouteDecision  # its priority is the service class's
-    service_class: ServiceClass = ServiceClass("default", 0)
-    deadline: Deadline | None = None  # None: no deadline (callers that never set one)
-    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C carrier
-    # Set when the fallback pool serves it (`app/admission/fallback.py`); shared by copies.
-    served: Served = dataclasses.field(default_factory=Served)
 
 
 class Frontend:
@@ -118,6 +101,9 @@ class Frontend:
         self.model_config = load_model_config(model_dir, config.model.dtype)
         fallback_config = fallback_model_config(config)
         self.fallback = FallbackPolicy.from_config(config, fallback_config)
+        if self.fallback.model is not None or config.overload.shedding.enabled:
+            # Their admission waits (shedding) and open breakers (fallback) are read there.
+            self.overload.monitor.watch(decode_handles)
         self.admission = Admission(
             config.admission,
             tenant_quotas(config.tenants),
@@ -132,8 +118,7 @@ class Frontend:
         self.model_name = config.model.served_model_name or config.model.model
         self.decode_handles = {name: h.options(stream=True) for name, h in decode_handles.items()}
         self.in_flight: Counter[str] = Counter()
-        self.route_counts: Counter[str] = Counter()
-        self.recent_routes: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.routing = RoutingLog()
         goodput = config.observability.metrics
         self.metrics = RequestMetrics(SLOTargets(goodput.goodput_ttft_s, goodput.goodput_tpot_s))
         self.telemetry = IngressTelemetry(config, self.tokenizer.decode)
@@ -224,10 +209,11 @@ class Frontend:
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)
         shed = self.overload.check_shed(
-            route.prefill_pool,
+            None if route.local_prefill else route.prefill_pool,
             len(prompt_token_ids),
             service_class.ttft_s,
             service_class.priority,
+            route.decode_pool,
         )
         prepared = PreparedRequest(
             request_id=uuid.uuid4().hex,
@@ -246,15 +232,36 @@ class Frontend:
         )
         if shed.shed:
             prepared = self.fallback.move(prepared, TRIGGER_SHED) or prepared
+        else:
+            prepared = self._around_open_breaker(prepared)
         route_span(started_ns, tenant, service_class.name, prepared.route, len(prompt_token_ids))
         if shed.shed and prepared.served.fallback is None:
-            self._record(prepared, shed="overloaded")
+            self.routing.record(prepared, shed="overloaded")
             labels = RequestMetrics.labels(
                 tenant, service_class.name, route.prefill_pool, route.decode_pool
             )
             self.metrics.shed(labels, "overloaded", 503)
             raise self.overload.shed_error(shed, route.reason)
         return prepared
+
+    def _around_open_breaker(self, prepared: PreparedRequest) -> PreparedRequest:
+        """`prepared` moved to the fallback pool when its prefill pool's breaker is open on
+        its decode pool and `FallbackPolicy` allows (TRIGGER_BREAKER); else unchanged."""
+        route = prepared.route
+        if route.local_prefill or route.prefill_pool is None or self.fallback.model is None:
+            return prepared
+        why = breaker_open(
+            self.overload.monitor.snapshot(route.decode_pool),
+            route.decode_pool,
+            route.prefill_pool,
+            self.config.overload.shedding.max_age_s,
+            time.monotonic(),
+        )
+        if why is None:
+            return prepared
+        noted = dataclasses.replace(route, reason=f"{route.reason}; {why}")
+        moved = self.fallback.move(dataclasses.replace(prepared, route=noted), TRIGGER_BREAKER)
+        return moved or prepared
 
     def served_model(self, prepared: PreparedRequest) -> str:
         """The model name the request's response carries (the fallback's, if it served)."""
@@ -299,7 +306,7 @@ class Frontend:
             raise
         status = STATUS_CLIENT_GONE  # unless the loop below ends or raises
         self.in_flight[prepared.tenant] += 1
-        self._record(prepared)
+        self.routing.record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         tasks, timer = self._start(prepared, queue)
         started = False  # a delta was passed on: too late to move to the fallback pool
@@ -317,12 +324,12 @@ class Frontend:
                         raise item
                     # The decode pool's queue is full: every choice starts over on the
                     # fallback pool, on a fresh queue (the old one may get late items).
-                    _cancel(tasks, timer)
+                    cancel_choices(tasks, timer)
                     prepared = fallback
                     recorder.labels.update(
                         prefill_pool="local", decode_pool=fallback.route.decode_pool
                     )
-                    self._record(prepared)
+                    self.routing.record(prepared)
                     queue = asyncio.Queue()
                     tasks, timer = self._start(prepared, queue)
                     remaining = prepared.n
@@ -342,7 +349,9 @@ class Frontend:
         finally:
             recorder.finish(status)
             telemetry.finish(status)
-            _cancel(tasks, timer)  # a client that went away cancels every choice on both pools
+            cancel_choices(
+                tasks, timer
+            )  # a client that went away cancels every choice on both pools
             self.in_flight[prepared.tenant] -= 1
             admitted.release()
 
@@ -351,7 +360,10 @@ class Frontend:
     ) -> tuple[list[asyncio.Task[None]], asyncio.TimerHandle | None]:
         """Start every choice's stream into `queue`; at the deadline a 504 error joins it
         (the caller then cancels every choice)."""
-        tasks = [asyncio.create_task(self._pump(prepared, i, queue)) for i in range(prepared.n)]
+        handle = self.decode_handles[prepared.route.decode_pool]
+        tasks = [
+            asyncio.create_task(pump_choice(handle, prepared, i, queue)) for i in range(prepared.n)
+        ]
         return tasks, self.overload.deadline_timer(prepared.deadline, queue)
 
     def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:
@@ -369,70 +381,6 @@ class Frontend:
         )
         return self.metrics.start(labels, len(prepared.prompt_token_ids), slo)
 
-    async def _pump(self, prepared: PreparedRequest, index: int, queue: asyncio.Queue) -> None:
-        route = prepared.route
-        spec = GenerationSpec(
-            request_id=f"{prepared.request_id}-{index}",
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling_params=choice_sampling_params(prepared.params, index),
-            tenant=prepared.tenant,
-            priority=route.priority,
-            prefill_pool=None if route.local_prefill else route.prefill_pool,
-            timeout_s=prepared.deadline.remaining_s() if prepared.deadline else None,
-            trace_context=prepared.trace_context,
-        )
-        new_call_id()  # this choice's call must not share a routing id with its siblings
-        stream = self.decode_handles[route.decode_pool].generate.remote(spec)
-        try:
-            async for delta in stream:
-                queue.put_nowait((index, delta))
-            queue.put_nowait(None)
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except RayActorError as exc:  # ActorDiedError, ActorUnavailableError: replica gone
-            logger.warning("decode replica lost under %s: %r", spec.request_id, exc)
-            queue.put_nowait(ReplicaLostError())
-        except RequestFailedError as exc:  # isolated to this request; the replica serves on
-            logger.warning("request %s failed in the engine: %s", spec.request_id, exc)
-            queue.put_nowait(
-                InternalServerError("generation failed for this request", code="request_failed")
-            )
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the caller
-            # Serve's BackPressureError (the decode pool's max_queued_requests): a clean 503,
-            # caused by it (`run` may then move the request to the fallback pool).
-            error = self.overload.backpressure(exc)
-            if error is not None:
-                error.__cause__ = exc
-            queue.put_nowait(error or exc)
-
-    def _record(self, prepared: PreparedRequest, shed: str | None = None) -> None:
-        """Count and keep the routing decision (`shed`: why it was refused, if it was)."""
-        route = prepared.route
-        pool = "local" if route.local_prefill else route.prefill_pool
-        key = f"{prepared.tenant}|{pool}|{route.decode_pool}"
-        fallback = prepared.served.fallback
-        if fallback is not None:
-            key += f"|fallback:{fallback.trigger}"
-        self.route_counts[f"{key}|shed:{shed}" if shed else key] += 1
-        self.recent_routes.append(
-            {
-                "request_id": prepared.request_id,
-                "tenant": prepared.tenant,
-                "num_prompt_tokens": len(prepared.prompt_token_ids),
-                "time": time.time(),
-                **asdict(route),
-                **({"shed": shed} if shed else {}),
-                **({"fallback": fallback.trigger} if fallback is not None else {}),
-            }
-        )
-
     def routing_report(self) -> dict[str, Any]:
-        return {"counts": dict(self.route_counts), "recent": list(self.recent_routes)}
-
-
-def _cancel(tasks: list[asyncio.Task[None]], timer: asyncio.TimerHandle | None) -> None:
-    if timer is not None:
-        timer.cancel()
-    for task in tasks:
-        task.cancel()
+        """The routing decisions of this ingress replica (`RoutingLog.report`)."""
+        return self.routing.report()

@@ -141,17 +141,24 @@ def plot(document: Mapping[str, Any], out_dir: Path, stem: str) -> list[str]:
 
 
 def _attainment_plot(plt: Any, document: Mapping[str, Any], runs: Any, path: Path) -> str:
+    """One line per run (config x seed; one colour per config, one marker per seed), its
+    points' Wilson band shaded; dotted: each config's mean goodput."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, config_runs in runs.items():
-        points = sorted((p for run in config_runs for p in run["points"]), key=lambda p: p["rate"])
-        if not points:
-            continue
-        rates = [p["rate"] for p in points]
-        line = ax.plot(rates, [p["attainment"] for p in points], "o-", ms=3, lw=1, label=name)
-        color = line[0].get_color()
-        low = [p["attainment_ci"][0] for p in points]
-        high = [p["attainment_ci"][1] for p in points]
-        ax.fill_between(rates, low, high, color=color, alpha=0.2, lw=0)
+    markers = "osD^v<>"
+    for i, (name, config_runs) in enumerate(runs.items()):
+        color = f"C{i}"
+        for j, run in enumerate(config_runs):
+            points = sorted(run["points"], key=lambda p: p["rate"])
+            if not points:
+                continue
+            rates = [p["rate"] for p in points]
+            label = name if j == 0 else None
+            marker = markers[j % len(markers)]
+            values = [p["attainment"] for p in points]
+            ax.plot(rates, values, marker=marker, ms=4, lw=1, color=color, label=label)
+            low = [p["attainment_ci"][0] for p in points]
+            high = [p["attainment_ci"][1] for p in points]
+            ax.fill_between(rates, low, high, color=color, alpha=0.12, lw=0)
         mean = document["goodput"][name]["mean"]
         if mean is not None:
             ax.axvline(mean, color=color, ls=":", lw=1)
@@ -159,7 +166,7 @@ def _attainment_plot(plt: Any, document: Mapping[str, Any], runs: Any, path: Pat
     ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target}")
     ax.set(xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(-0.02, 1.02))
     ax.set_title(
-        f"{document['workload']['workload']}: attainment per point, "
+        f"{document['workload']['workload']}: one line per seed, "
         f"{round(document['confidence'] * 100)}% Wilson band; dotted: mean goodput",
         fontsize=9,
     )
@@ -183,10 +190,10 @@ def _goodput_plot(plt: Any, document: Mapping[str, Any], path: Path) -> str:
     ax.set_ylabel("goodput (req/s)")
     ratio, (low, high) = document["ratio"], document["ratio_ci"]
     if ratio is not None and low is not None and high is not None:
-        title = f"{names[0]} / {names[-1]} = {ratio:.2f}x [{low:.2f}, {high:.2f}]"
+        title = f"{names[0]} / {names[-1]} = {ratio:.2f}x, interval [{low:.2f}, {high:.2f}]"
     else:
         title = "goodput per config"
-    ax.set_title(f"{title}; bars: mean, whiskers: CI, dots: seeds", fontsize=9)
+    ax.set_title(f"{title}\nbars: mean; whiskers: interval; dots: seeds", fontsize=9)
     return _save(plt, fig, path)
 
 

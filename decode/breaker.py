@@ -197,6 +197,25 @@ class BreakerBoard:
         else:
             self.replica(pool, replica).record_failure()
 
+    def pool_names(self) -> set[str]:
+        """The pools that have a breaker, of their own or of a replica."""
+        return set(self._pools) | set(self._replicas)
+
+    def pool_state(self, pool: str, known_replicas: Collection[str] | None) -> BreakerState:
+        """Whether `pool` as a whole takes work: its own breaker's state unless that is
+        closed; else, when every replica in `known_replicas` (None or empty: unknown) has
+        a breaker and none is closed, OPEN if all are open and HALF_OPEN otherwise."""
+        own = self.pool(pool).state if pool in self._pools else BreakerState.CLOSED
+        if own is not BreakerState.CLOSED or not known_replicas:
+            return own
+        breakers = self._replicas.get(pool, {})
+        states = [breakers[name].state if name in breakers else None for name in known_replicas]
+        if any(state in (None, BreakerState.CLOSED) for state in states):
+            return BreakerState.CLOSED
+        if all(state is BreakerState.OPEN for state in states):
+            return BreakerState.OPEN
+        return BreakerState.HALF_OPEN
+
     def snapshot(self) -> dict[str, Any]:
         """Every breaker's state, for the replica's stats (copies first: stats may run on
         another thread than the one recording)."""
@@ -249,6 +268,16 @@ class PrefillPlanner:
         elif plan.reason:
             self.decide(request_id, pool, plan.reason)
         return plan
+
+    def blocked_pools(self) -> dict[str, str]:
+        """Prefill pools not taking this replica's work now -> `open` or `half_open`
+        (`BreakerBoard.pool_state` over the replicas the router knows); closed pools are
+        left out. Compact, for routing stats: the ingress reads it for the fallback pool."""
+        states = {
+            pool: self.board.pool_state(pool, self._known_replicas(pool))
+            for pool in self.board.pool_names()
+        }
+        return {pool: s.value for pool, s in states.items() if s is not BreakerState.CLOSED}
 
     def decide(self, request_id: str, pool: str, reason: str) -> None:
         """Record a decision about `request_id`'s prefill and its reason."""

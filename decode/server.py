@@ -1,6 +1,7 @@
 """The decode replica, and the orchestrator of each request (decode-as-orchestrator).
 
-A request's life here (one streaming `generate` call from the ingress):
+A request's life here (one streaming `generate` call from the ingress), once it holds one
+of the replica's stream slots (`decode/admission.py`: waiters admitted by priority):
 
     local prefill (short prompt, colocated, or no KV room now):
         queued in the engine ──prefill + decode──▶ deltas streamed
@@ -37,6 +38,7 @@ from collections.abc import (
 from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
+from decode.admission import SlotGate
 from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlan, PrefillPlanner
 from decode.placement import placements, pool_view
 from decode.protocol import GenerationSpec
@@ -68,6 +70,8 @@ T = TypeVar("T")
 
 MAX_REMOTE_ATTEMPTS = 2  # the first try, then one retry (Serve may pick another replica)
 FENCE_MARGIN_S = 2.0  # on top of fence_timeout_s: the release's trip to the engine thread
+MAX_ADMISSION_WAIT_S = 600.0  # for a slot, when the request has no deadline of its own
+ADMISSION_MARGIN_S = 1.0  # past the request's deadline: the ingress's 504 comes first
 
 
 class PrefillHandle(Protocol):
@@ -116,6 +120,8 @@ class DecodeServer:
         self.deadline_s = deadline_s
         self.breakers = BreakerBoard(breaker)  # event loop only
         self.planner = PrefillPlanner(self.breakers, _known_replicas)
+        # Streams at once, admitted by priority (`decode/admission.py`); event loop only.
+        self.admission = SlotGate(engine_config.scheduler.max_num_seqs)
         self.prefill_pools = dict(prefill_pools or {})
         self.receiver: Receiver | None = None
         self.fence_allowance_s = transfer_options.fence_timeout_s + FENCE_MARGIN_S
@@ -155,16 +161,23 @@ class DecodeServer:
     # ---- the request -----------------------------------------------------------------
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
-        """Stream `spec`'s deltas; prefill remotely when the spec names a prefill pool."""
+        """Stream `spec`'s deltas once it holds one of the replica's slots (`SlotGate`:
+        most important first); prefill remotely when the spec names a prefill pool."""
         last_token_at: float | None = None
         timeline = self._timelines[spec.request_id] = GenerationTrace(
             spec, self.replica.name, self.pool
         )
         finish_reason: str | None = None
         error: BaseException | None = None
+        wait_s = MAX_ADMISSION_WAIT_S
+        if spec.timeout_s is not None:
+            wait_s = spec.timeout_s + ADMISSION_MARGIN_S
         try:
             # aclosing: when our caller goes away, the inner generator's cleanup runs now.
-            async with contextlib.aclosing(self._generate(spec)) as deltas:
+            async with (
+                self.admission.slot(spec.priority, wait_s),
+                contextlib.aclosing(self._generate(spec)) as deltas,
+            ):
                 async for delta in deltas:
                     delta = timeline.on_delta(delta)
                     finish_reason = delta.finish_reason or finish_reason
@@ -421,20 +434,22 @@ class DecodeServer:
         stats.update(self.planner.snapshot())  # breakers, prefill_decisions
         if self.receiver is not None:  # blocks of ended transfers still fenced, quarantined
             stats["kv_transfers"] = self.receiver.transfer_counts()
-            endpoint = self.receiver.endpoint_stats()
-            if endpoint is not None:  # socket backends: peers refused, by reason
-                stats["kv_endpoint"] = endpoint
+            stats["kv_endpoint"] = self.receiver.endpoint_stats()  # peers refused, by reason
         return stats
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; our replica router reads it, and the ingress weighs a local
         prefill's cost from it (`prefill_tokens_per_s`: the prompts this replica prefilled
-        itself, queueing included). `num_reports` makes every report differ, so Serve
-        passes each on and a live idle replica's load never looks stale. Never blocks."""
+        itself, queueing included) and sends degradable requests to the fallback pool
+        while `prefill_breakers` (prefill pool -> `open`/`half_open`; closed ones left out)
+        says a prefill pool is cut off here. `num_reports` makes every report differ, so
+        Serve passes each on and a live idle replica's load never looks stale. Never blocks."""
         self._num_routing_reports += 1
         return {
             **await self.replica.routing_stats(),
             "prefill_tokens_per_s": self._local_prefill.tokens_per_s(),
+            "prefill_breakers": self.planner.blocked_pools(),
+            "admission": self.admission.snapshot(),
             "num_reports": self._num_routing_reports,
         }
 

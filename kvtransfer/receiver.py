@@ -197,7 +197,8 @@ class Receiver:
         return ticket
 
     def poll(self, request_id: str) -> TransferState:
-        """Called by decode between engine steps; never blocks, frees nothing."""
+        """Called by decode when a prefill call returns, and between engine steps for a
+        reservation whose lease expired; never blocks, frees nothing."""
         return self._table.require(request_id).state
 
     def wait(self, request_id: str, timeout_s: float) -> TransferState:

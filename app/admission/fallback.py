@@ -7,7 +7,12 @@ never picks it. It steps in when the primary path would refuse a request as over
 - `TRIGGER_SHED`: the request's predicted TTFT on its prefill pool is over its class's limit
   (`app/admission/shedding.py`), decided in `Frontend.prepare`;
 - `TRIGGER_BACKPRESSURE`: its decode pool's queue is full (Serve's `BackPressureError`,
-  the pool's `max_queued_requests`) before any token was streamed, in `Frontend.run`.
+  the pool's `max_queued_requests`) before any token was streamed, in `Frontend.run`;
+- `TRIGGER_BREAKER`: every replica of its decode pool reports its prefill pool's circuit
+  breaker open (`prefill_breakers` in their routing stats, `decode/breaker.py`), so the
+  prompt would be prefilled on the decode replica instead (`breaker_open`, read in
+  `Frontend.prepare` from `decode.placement.pool_view`). A non-degradable request goes on
+  as before (prefilled locally by its decode replica): nothing is refused for this trigger.
 
 `FallbackPolicy.decide` then serves the request on the fallback pool when all of these hold,
 and otherwise the request is refused as it would have been (503 `overloaded`):
@@ -28,7 +33,7 @@ Pure: no Ray, no I/O (except `check_fallback_model`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,15 +41,17 @@ from app.admission.overload import OverloadGuard
 from app.config import PDServeConfig
 from app.config_sections import ConfigError
 from app.router import RouteDecision
+from decode.placement import PoolSnapshot
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
 from engine.loader import load_model_config, load_tokenizer
 
 if TYPE_CHECKING:
-    from app.frontend import PreparedRequest
+    from app.prepared import PreparedRequest
 
 TRIGGER_SHED = "shed"
 TRIGGER_BACKPRESSURE = "backpressure"
+TRIGGER_BREAKER = "breaker"
 FALLBACK_HEADER = "x-pdserve-fallback"
 MODEL_HEADER = "x-pdserve-model"
 
@@ -196,6 +203,22 @@ def is_backpressure(error: BaseException) -> bool:
     full), which it raises from that error."""
     cause = error.__cause__
     return cause is not None and OverloadGuard.backpressure(cause) is not None
+
+
+def breaker_open(
+    snapshot: PoolSnapshot | None, decode_pool: str, prefill_pool: str, max_age_s: float, now: float
+) -> str | None:
+    """Why `prefill_pool` is cut off on `decode_pool` (`snapshot`: its view, `now` on the
+    same monotonic clock): every replica reports the pool's breaker `open`. None when any
+    replica does not (closed, or half-open: it probes), or without data fresher than
+    `max_age_s`."""
+    if snapshot is None or not snapshot.replicas or now - snapshot.updated_at > max_age_s:
+        return None
+    for stats in snapshot.replicas.values():
+        breakers = stats.get("prefill_breakers")
+        if not isinstance(breakers, Mapping) or breakers.get(prefill_pool) != "open":
+            return None
+    return f"breaker of prefill pool {prefill_pool} open on decode pool {decode_pool}"
 
 
 def fallback_model_config(config: PDServeConfig) -> ModelConfig | None:

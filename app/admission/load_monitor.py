@@ -45,10 +45,11 @@ class PoolLoadMonitor:
         self._watched = True
 
     def snapshot(self, pool: str) -> PoolSnapshot | None:
-        """The pool's latest load (never waits). Call on the event loop: the first call
-        starts the background refresher."""
+        """The pool's latest load (never waits). The first call on an event loop starts the
+        background refresher (off one, e.g. a synchronous test, the view is only read)."""
         if self._task is None and (self._settings.enabled or self._watched) and self._handles:
-            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+            with contextlib.suppress(RuntimeError):  # no running event loop
+                self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
         return self._view.get(pool)
 
     async def _refresh_forever(self) -> None:

@@ -3,7 +3,8 @@
 `OverloadGuard` is the one object `app/frontend.py` holds for it:
 
 - `deadline(timeout_s, slo_class)`: the request's `Deadline` (`app/admission/deadlines.py`);
-- `check_shed(...)`: predict the TTFT on the request's prefill pool and refuse it early
+- `check_shed(...)`: predict the TTFT on the request's prefill pool (plus its admission
+  wait on its decode pool) and refuse it early
   (503 `overloaded` with Retry-After, `app/admission/shedding.py`), or say why it passed;
 - `within(deadline, awaitable)`: await something no longer than the deadline allows
   (504 `deadline_exceeded` after it);
@@ -53,12 +54,15 @@ class OverloadGuard:
         num_prompt_tokens: int,
         ttft_slo_s: float | None,
         priority: int,
+        decode_pool: str | None = None,
     ) -> ShedCheck:
-        """Predict the request's TTFT on `prefill_pool` (None: prefilled locally, never shed)
-        from the pool's latest load; never waits."""
+        """Predict the request's TTFT on `prefill_pool` (None: prefilled locally) plus its
+        admission wait on `decode_pool` (None: not counted) from the pools' latest load;
+        never waits."""
         snapshot = self.monitor.snapshot(prefill_pool) if prefill_pool is not None else None
+        decode = self.monitor.snapshot(decode_pool) if decode_pool is not None else None
         return self.shedder.check(
-            prefill_pool, snapshot, num_prompt_tokens, ttft_slo_s, priority
+            prefill_pool, snapshot, num_prompt_tokens, ttft_slo_s, priority, decode_pool, decode
         )
 
     @staticmethod

@@ -1,5 +1,7 @@
 """The fallback model (app/admission/fallback.py): config rules, the decision, the build check,
-and `Frontend.prepare` moving a shed degradable request to the fallback pool.
+and `Frontend.prepare` moving a degradable request to the fallback pool when it is shed or
+its prefill pool's breaker is open on its decode pool (what decode replicas publish as
+`prefill_breakers`, from `decode/breaker.py`).
 
 Shedding is driven by real pool load in `decode.placement.pool_view` (what the replica
 routers publish), with the built-in tiny model as both the primary and the fallback model.
@@ -20,9 +22,11 @@ from pydantic import ValidationError
 from app.admission.controller import decode_pool_blocks
 from app.admission.fallback import (
     TRIGGER_BACKPRESSURE,
+    TRIGGER_BREAKER,
     TRIGGER_SHED,
     FallbackModel,
     FallbackPolicy,
+    breaker_open,
     check_fallback_model,
     fallback_model_config,
 )
@@ -30,7 +34,8 @@ from app.config import ConfigError, PDServeConfig, load_config
 from app.errors import ServiceUnavailableError
 from app.frontend import Frontend
 from app.router import RouteDecision, RouterPolicy
-from decode.placement import pool_view
+from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlanner
+from decode.placement import PoolSnapshot, pool_view
 from engine.builtin import write_builtin_model
 from engine.loader import load_model_config
 from engine.request import SamplingParams
@@ -257,3 +262,91 @@ def test_prepare_moves_shed_degradable_requests_to_the_fallback(
     assert refused.value.code == "overloaded"
     [record] = front.routing_report()["recent"]
     assert record["shed"] == "overloaded" and "fallback" not in record
+
+
+# ---- open breakers: what decode replicas publish, what the ingress makes of it ------------
+
+
+def test_decode_replicas_publish_pools_cut_off_by_their_breakers() -> None:
+    now = [0.0]
+    board = BreakerBoard(BreakerSettings(failure_threshold=1, cooldown_s=10), lambda: now[0])
+    known = {"short": ["p0", "p1"], "long": ["q0"]}
+    planner = PrefillPlanner(board, known.get)
+    board.record("short", "p0", ok=False)  # one replica of two open: the pool still serves
+    board.record("long", None, ok=True)
+    assert planner.blocked_pools() == {}
+    board.record("short", "p1", ok=False)  # every known replica open
+    board.record("long", None, ok=False)  # the pool's own breaker
+    assert planner.blocked_pools() == {"short": "open", "long": "open"}
+    now[0] = 10.0  # cool-down over: each lets a probe through
+    assert planner.blocked_pools() == {"short": "half_open", "long": "half_open"}
+    board.record("short", "p0", ok=True)
+    board.record("long", "q0", ok=True)
+    assert planner.blocked_pools() == {}
+
+
+def snapshot(*breakers: dict[str, str] | None, updated_at: float = 100.0) -> PoolSnapshot:
+    replicas = {
+        f"decode-{i}": {"queued_tokens": 0} if b is None else {"prefill_breakers": b}
+        for i, b in enumerate(breakers)
+    }
+    return PoolSnapshot(replicas, updated_at)
+
+
+@pytest.mark.parametrize(
+    ("view", "now", "is_open"),
+    [
+        (snapshot({"prefill": "open"}, {"prefill": "open"}), 101.0, True),
+        (snapshot({"prefill": "open"}, {}), 101.0, False),  # one replica still sends there
+        (snapshot({"prefill": "half_open"}), 101.0, False),  # it probes
+        (snapshot({"other": "open"}), 101.0, False),
+        (snapshot(None), 101.0, False),  # a replica that publishes nothing
+        (snapshot({"prefill": "open"}), 200.0, False),  # stale
+        (snapshot(), 101.0, False),  # no replica
+        (None, 101.0, False),
+    ],
+)
+def test_breaker_open_only_when_every_fresh_decode_replica_says_so(
+    view: PoolSnapshot | None, now: float, is_open: bool
+) -> None:
+    why = breaker_open(view, "decode", "prefill", max_age_s=5.0, now=now)
+    assert (why is not None) == is_open
+    if why is not None:
+        assert why == "breaker of prefill pool prefill open on decode pool decode"
+
+
+@pytest.fixture
+def open_breaker_on_decode_pool() -> Iterator[None]:
+    """The decode pool as its router would publish it: the prefill pool's breaker open."""
+    pool_view.update("prefill", [])  # no measured prefill load: nothing is shed
+    pool_view.update("decode", [("decode-0", {"prefill_breakers": {"prefill": "open"}})])
+    yield
+    pool_view.update("decode", [])
+
+
+def test_prepare_moves_degradable_requests_off_an_open_breaker(
+    model_dir: Path, open_breaker_on_decode_pool: None
+) -> None:
+    config = load_config(
+        args(
+            str(model_dir),
+            tenants=[{"name": "acme", "api_keys": ["k"], "default_class": "batch"}],
+        )
+    )
+    front = Frontend(config, {})
+
+    async def prepare(slo_class: str | None) -> Any:
+        ids = await front.tokenize_prompt("a prompt for the prefill pool, long enough " * 2)
+        return front.prepare("k", ids, SamplingParams(max_tokens=4), slo_class=slo_class)
+
+    prepared = asyncio.run(prepare(None))
+    fallback = prepared.served.fallback
+    assert fallback is not None and fallback.trigger == TRIGGER_BREAKER
+    assert prepared.route.decode_pool == "degraded" and prepared.route.local_prefill
+    assert "breaker of prefill pool prefill open on decode pool decode" in prepared.route.reason
+    assert "breaker: degradable class batch -> fallback pool degraded" in prepared.route.reason
+
+    # Not degradable: it stays on its decode pool (which prefills it locally), not refused.
+    strict = asyncio.run(prepare("strict"))
+    assert strict.served.fallback is None
+    assert strict.route.decode_pool == "decode" and strict.route.prefill_pool == "prefill"

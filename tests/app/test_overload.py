@@ -1,4 +1,5 @@
-"""TTFT prediction, load shedding and deadlines (pure: injected clocks, no Ray)."""
+"""TTFT prediction (prefill queue plus decode admission wait), load shedding and deadlines
+(pure: injected clocks, no Ray)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from pydantic import ValidationError
 from app.admission.deadlines import Deadline, requested_timeout, resolve_timeout_s
 from app.admission.overload import OverloadGuard
 from app.admission.overload_config import OverloadSettings, SheddingSettings
-from app.admission.shedding import LoadShedder, ReplicaLoad, drain_time_s, predict_ttft_s
+from app.admission.shedding import (
+    DecodeSlots,
+    LoadShedder,
+    ReplicaLoad,
+    drain_time_s,
+    predict_decode_wait_s,
+    predict_ttft_s,
+)
 from app.config import load_config
 from app.errors import BadRequestError, DeadlineExceededError, error_response
 from decode.placement import PoolSnapshot
@@ -72,6 +80,67 @@ def test_only_work_at_or_above_the_priority_is_ahead() -> None:
     flooded = PoolSnapshot(MappingProxyType({"r": stats}), clock.now)
     assert not shedder.check("p", flooded, 100, ttft_slo_s=1.0, priority=0).shed  # 0.3 s
     assert shedder.check("p", flooded, 100, ttft_slo_s=10.0, priority=10).shed  # 5.1 s > 5
+
+
+def decode_pool(at: float, *replicas: tuple[int, dict[int, int], float]) -> PoolSnapshot:
+    """A decode pool: per replica (active streams of 4 slots, waiters by priority, slots
+    freed per second), as `SlotGate.snapshot` reports them."""
+    stats = {
+        f"d{i}": {
+            "admission": {
+                "num_active": active,
+                "max_active": 4,
+                "num_waiting_by_priority": waiting,
+                "releases_per_s": rate,
+            }
+        }
+        for i, (active, waiting, rate) in enumerate(replicas)
+    }
+    return PoolSnapshot(MappingProxyType(stats), at)
+
+
+def test_decode_admission_wait_counts_waiters_at_or_above_the_priority() -> None:
+    full = {
+        "admission": {
+            "num_active": 4,
+            "max_active": 4,
+            "num_waiting_by_priority": {0: 1, 10: 30},
+            "releases_per_s": 2.0,
+        }
+    }
+    interactive = DecodeSlots.from_stats(full, priority=0)
+    batch = DecodeSlots.from_stats(full, priority=10)
+    assert interactive == DecodeSlots(0, 1, 2.0) and batch == DecodeSlots(0, 31, 2.0)
+    assert interactive.wait_s() == pytest.approx(1.0)  # behind 1: the 2nd slot freed
+    assert batch.wait_s() == pytest.approx(16.0)  # behind 31
+    assert DecodeSlots(3, 2, 0.0).wait_s() == 0.0  # a free slot each
+    assert DecodeSlots(0, 0, 0.0).wait_s() is None  # full, and no slot freed lately
+    assert DecodeSlots.from_stats({"queued_tokens": 3}, priority=0) is None  # no gate
+    assert predict_decode_wait_s([DecodeSlots(0, 5, 1.0), DecodeSlots(0, 1, 1.0)]) == 2.0
+    assert predict_decode_wait_s([DecodeSlots(0, 0, 0.0)]) is None
+
+
+def test_full_decode_pool_sheds_batch_first_and_adds_to_the_prefill_wait() -> None:
+    clock = Clock()
+    shedder = LoadShedder(SheddingSettings(factor=1.0), priorities=[0, 10], clock=clock)
+    prefill = snapshot(clock.now, (100, 1000))  # 0.2 s of prefill for 100 tokens
+    # Long batch streams hold every slot; 30 batch requests and 1 interactive wait.
+    decode = decode_pool(clock.now, (4, {0: 1, 10: 30}, 1.0))
+    interactive = shedder.check("p", prefill, 100, 3.0, 0, "decode", decode)
+    batch = shedder.check("p", prefill, 100, 30.0, 10, "decode", decode)
+    assert not interactive.shed and interactive.predicted_ttft_s == pytest.approx(2.2)
+    assert batch.shed and batch.predicted_ttft_s == pytest.approx(32.2)
+    assert "+ decode admission wait 32.00 s on pool decode" in batch.reason
+    assert batch.retry_after_s == pytest.approx(30.0)  # capped at max_retry_after_s
+    # A prompt prefilled on the decode replica: its decode wait alone decides.
+    local = shedder.check(None, None, 10, 30.0, 10, "decode", decode)
+    assert local.shed and "local prefill + decode admission wait" in local.reason
+    # Free slots, stale or missing decode data: the prefill prediction alone, as before.
+    idle = decode_pool(clock.now, (1, {}, 0.0))
+    assert shedder.check("p", prefill, 100, 1.0, 10, "decode", idle).predicted_ttft_s == 0.2
+    stale = decode_pool(clock.now - 60, (4, {10: 30}, 1.0))
+    assert not shedder.check("p", prefill, 100, 30.0, 10, "decode", stale).shed
+    assert not shedder.check(None, None, 10, 1.0, 10, "decode", None).shed
 
 
 def test_nothing_is_shed_without_fresh_measurements() -> None:

@@ -11,7 +11,10 @@ Real overload, no stand-ins:
 - backpressure: the primary decode pool takes one request at a time and queues one more
   (`max_ongoing_requests` / `max_queued_requests`), so a burst of requests of the
   degradable `bulk` class fills it: Serve refuses the rest (`BackPressureError`) and they
-  are answered by tiny.
+  are answered by tiny;
+- breaker: the prefill replica is stopped (SIGSTOP) until its breaker opens on the decode
+  replica, which publishes that in its routing stats: a degradable request is then answered
+  by tiny rather than prefilled on the primary decode replica (last: it stops a replica).
 
 Interactive requests keep being served by `small` throughout.
 """
@@ -19,6 +22,7 @@ Interactive requests keep being served by `small` throughout.
 from __future__ import annotations
 
 import json
+import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from bench.faults import replica_pids, signal_pid
 from tests.app.conftest import wait_until
 
 if TYPE_CHECKING:
@@ -41,6 +46,9 @@ REQUEST_TIMEOUT_S = 120.0
 WAIT_S = 120.0  # until the ingress sees the prefill pool's measured rate
 BURST = 6  # concurrent bulk requests: the primary decode pool holds 2 at a time
 MAX_TOKENS = 8
+DEADLINE_S = 6.0  # the KV ticket deadline: an attempt on the stopped prefill replica ends soon
+FAILURE_THRESHOLD = 2  # timed-out attempts that open the stopped replica's breaker
+COOLDOWN_S = 120.0  # outlasts the breaker test (it closes again in a later module's app)
 
 
 def pdserve_args(model_dir: Path) -> dict[str, Any]:
@@ -73,7 +81,8 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
                 },
             },
         ],
-        "transfer": {"backend": "shm"},
+        "transfer": {"backend": "shm", "deadline_s": DEADLINE_S},
+        "overload": {"breaker": {"failure_threshold": FAILURE_THRESHOLD, "cooldown_s": COOLDOWN_S}},
         # Every prompt goes to the prefill pool, where its class's TTFT decides shedding
         # (adaptive disaggregation could prefill it on the decode replica instead).
         "adaptive_prefill": {"enabled": False},
@@ -206,3 +215,37 @@ def test_full_primary_decode_queue_sends_degradable_requests_to_the_fallback(
     assert degraded, [r.headers.get("x-pdserve-route") for r in bulk]
     counts = server.stats()["routing"]["counts"]
     assert counts["acme|local|degraded|fallback:backpressure"] == len(degraded), counts
+
+
+def test_open_prefill_breaker_sends_degradable_requests_to_the_fallback(
+    server: Server, hf: HFGreedy
+) -> None:
+    [pid] = replica_pids("pdserve", "prefill")
+    assert_served_by_small(post(server, prompt(50_000), "interactive"))
+    texts = iter(prompt(50_001 + i) for i in range(10_000))
+    assert signal_pid(pid, signal.SIGSTOP)
+    try:
+        # Each primary request spends one timed-out attempt on the stopped replica (then
+        # is prefilled on the decode replica) until its breaker opens; once the ingress
+        # sees the decode replica's `prefill_breakers`, bulk goes to tiny instead.
+        answered: list[tuple[httpx.Response, str]] = []
+
+        def degraded() -> bool:
+            text = next(texts)
+            answered.append((post(server, text, "bulk"), text))
+            return "x-pdserve-fallback" in answered[-1][0].headers
+
+        wait_until(degraded, WAIT_S, "a bulk request to be sent around the open breaker")
+        for response, _ in answered[:-1]:
+            assert_served_by_small(response)
+        served, text = answered[-1]
+        assert_served_by_tiny(served, text, hf)
+        route = served.headers["x-pdserve-route"]
+        assert "breaker of prefill pool prefill open on decode pool decode" in route
+        assert "breaker: degradable class bulk -> fallback pool degraded" in route
+        # Not degradable: still answered by small, prefilled on its decode replica.
+        assert_served_by_small(post(server, prompt(60_000), "interactive"))
+    finally:
+        assert signal_pid(pid, signal.SIGCONT)
+    counts = server.stats()["routing"]["counts"]
+    assert counts["acme|local|degraded|fallback:breaker"] == 1, counts

@@ -216,3 +216,28 @@ def test_tensor_parallel_fp8_equals_single_rank_fp8(tiny: Path) -> None:
     finally:
         sharded.close()
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_model_config_section_carries_and_checks_the_fp8_options() -> None:
+    from pydantic import ValidationError
+
+    from app.config_sections import ModelSettings
+
+    engine_config = ModelSettings(quantization="fp8", kv_cache_dtype="fp8").to_engine_config()
+    assert engine_config.quantization == "fp8"
+    assert engine_config.cache.kv_cache_dtype == "fp8"
+    with pytest.raises(ValidationError, match="needs dtype bfloat16"):
+        ModelSettings(quantization="fp8", device="cuda", dtype="float16")
+    with pytest.raises(ValidationError, match="kv_cache_dtype"):
+        ModelSettings(kv_cache_dtype="int8")  # type: ignore[arg-type]
+
+
+def test_cli_generates_with_fp8(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    args = ["generate", "--model", str(tiny), "--prompt", PROMPTS[0], "--max-tokens", "16"]
+    args += ["--ignore-eos", "--json", "--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    assert main(args) == 0
+    outputs = json.loads(capsys.readouterr().out)["outputs"]
+    expected = engine(tiny, "fp8", "fp8").generate(PROMPTS[:1], GREEDY)
+    assert outputs[0]["token_ids"] == expected[0].token_ids
