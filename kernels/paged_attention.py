@@ -98,9 +98,8 @@ def paged_attention(
         # [num_heads, 1] scale of each query head's kv head
         k_heads = k_scale.repeat_interleave(group)[:, None]
         v_heads = v_scale.repeat_interleave(group)[:, None]
-        out = _attend(
-            ((query.float() * k_heads).to(query.dtype)), k_cache, v_cache, metadata, scale
-        )
+        scaled_query = (query.float() * k_heads).to(query.dtype)
+        out = _attend(scaled_query, k_cache, v_cache, metadata, scale)
         return (out.float() * v_heads).to(query.dtype)
     return _attend(query, k_cache, v_cache, metadata, scale)
 
