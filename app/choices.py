@@ -40,15 +40,12 @@ async def pump_choice(
     """Stream choice `index` of `prepared` from `decode_handle` (a streaming handle of its
     route's decode pool) into `queue` (see the module docstring for what it puts)."""
     route = prepared.route
-    spec = GenerationSpec(
+    spec = GenerationSpec.derive(
+        prepared,
         request_id=f"{prepared.request_id}-{index}",
-        prompt_token_ids=prepared.prompt_token_ids,
-        sampling_params=choice_sampling_params(prepared.params, index),
-        tenant=prepared.tenant,
-        priority=route.priority,
+        sampling_params=choice_sampling_params(prepared.sampling_params, index),
         prefill_pool=None if route.local_prefill else route.prefill_pool,
         timeout_s=prepared.deadline.remaining_s() if prepared.deadline else None,
-        trace_context=prepared.trace_context,
     )
     new_call_id()  # this choice's call must not share a routing id with its siblings
     stream = decode_handle.generate.remote(spec)

@@ -65,7 +65,7 @@ from app.routing_log import RoutingLog
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestOutput
-from engine.request import SamplingParams, context_overflow
+from engine.request import ContextOverflowError, SamplingParams, check_prompt
 
 logger = logging.getLogger(__name__)
 _tracer = trace.get_tracer("pdserve.ingress")
@@ -200,11 +200,11 @@ class Frontend:
         # the prefill pool would be late for is prefilled locally rather than refused.
         route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
         self.check_params(params)
-        overflow = context_overflow(
-            len(prompt_token_ids), params.max_tokens, self.model_config.max_model_len
-        )
-        if overflow is not None:
-            raise ContextLengthExceededError(overflow, param="max_tokens")
+        model = self.model_config
+        try:
+            check_prompt(prompt_token_ids, params, model.vocab_size, model.max_model_len)
+        except ContextOverflowError as exc:
+            raise ContextLengthExceededError(str(exc), param="max_tokens") from None
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)
@@ -219,7 +219,8 @@ class Frontend:
             request_id=uuid.uuid4().hex,
             tenant=tenant,
             prompt_token_ids=tuple(prompt_token_ids),
-            params=params,
+            sampling_params=params,
+            priority=service_class.priority,
             n=n,
             route=dataclasses.replace(
                 route,
@@ -287,7 +288,7 @@ class Frontend:
                 prepared.n,
                 prepared.route.priority,
                 prepared.route.decode_pool,
-                prepared.params.max_tokens,
+                prepared.sampling_params.max_tokens,
             )
             if prepared.deadline is not None:
                 admitted = await self.overload.within(prepared.deadline, admission)

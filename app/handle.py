@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.protocol import sampling_params
 from engine.outputs import RequestOutput
 from engine.request import (
     MAX_LOGPROBS,
@@ -78,22 +79,7 @@ class GenerateRequest(BaseModel):
 
     def to_sampling_params(self) -> SamplingParams:
         """The engine's params; raises `InvalidRequestError` (e.g. min_tokens > max_tokens)."""
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            min_tokens=self.min_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=tuple(self.stop),
-            stop_token_ids=tuple(self.stop_token_ids),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs,
-        )
+        return sampling_params(self, self.max_tokens, self.logprobs)
 
 
 class GenerateChunk(BaseModel):

@@ -10,21 +10,23 @@ from app.admission.classes import ServiceClass
 from app.admission.deadlines import Deadline
 from app.admission.fallback import Served
 from app.router import RouteDecision
-from engine.request import SamplingParams
+from engine.request import RequestSpec, SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedRequest:
-    """A request that passed every check, ready to run."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PreparedRequest(RequestSpec):
+    """A request (`RequestSpec`; its `priority` is the service class's, as its route's)
+    that passed every check, ready to run as `n` choices; `trace_context` carries the
+    ingress span's W3C context."""
 
-    request_id: str
-    tenant: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
     n: int
     route: RouteDecision  # its priority is the service class's
     service_class: ServiceClass = ServiceClass("default", 0)
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
-    trace_context: dict[str, str] = dataclasses.field(default_factory=dict)  # W3C carrier
     # Set when the fallback pool serves it (`app/admission/fallback.py`); shared by copies.
     served: Served = dataclasses.field(default_factory=Served)
+
+    @property
+    def params(self) -> SamplingParams:
+        """`sampling_params`, by the name `app/admission/fallback.py` reads."""
+        return self.sampling_params

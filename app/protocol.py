@@ -7,7 +7,8 @@ mode: unknown fields are ignored (clients send some), wrong types, NaN/infinite 
 counts or lengths over the limits fail (pydantic errors, a 400 naming the field). Features we
 do not implement (`echo`, batched prompts, `tools`, JSON mode, ...) raise
 `UnsupportedFeatureError` (400) out of validation, and out-of-range sampling values raise
-`engine.request.InvalidRequestError` (400) from `to_sampling_params`.
+`engine.request.InvalidRequestError` (400) from `to_sampling_params` (both APIs map their
+sampling fields through `sampling_params`).
 
 Responses (`app.responses`) are built from engine output by `app.builders`.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -38,6 +39,9 @@ from engine.request import (
     SEED_MIN,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from app.handle import GenerateRequest
 
 MAX_USER_CHARS = 256  # the `user` and message `name` strings (logged, never used)
 
@@ -126,25 +130,6 @@ class _SamplingRequest(_Request):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_k=max(self.top_k or 0, 0),
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            min_tokens=self.min_tokens,
-        )
-
     def _reject_unsupported(self, fields: Mapping[str, bool]) -> None:
         for name, used in fields.items():
             if used:
@@ -196,7 +181,7 @@ class CompletionRequest(_SamplingRequest):
         Raises `InvalidRequestError` for out-of-range values.
         """
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        return sampling_params(self, max_tokens, self.logprobs)
 
 
 class ChatTextPart(_Request):
@@ -279,7 +264,34 @@ class ChatCompletionRequest(_SamplingRequest):
             if v is not None
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return sampling_params(self, max_tokens, logprobs)
+
+
+def sampling_params(
+    body: _SamplingRequest | GenerateRequest, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """The one mapping of API sampling fields to the engine's `SamplingParams`, for the
+    OpenAI bodies and the handle API's `GenerateRequest` (`max_tokens` and `logprobs` are
+    resolved by the caller, as each API names them differently). A single stop string is a
+    list of one; `top_k` null or -1 disables it, as 0 does. Raises `InvalidRequestError`
+    for out-of-range values."""
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    return SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        temperature=body.temperature,
+        top_k=max(body.top_k or 0, 0),
+        top_p=body.top_p,
+        min_p=body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        stop=tuple(stop),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
 
 
 def choice_sampling_params(params: SamplingParams, index: int) -> SamplingParams:

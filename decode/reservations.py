@@ -69,9 +69,7 @@ class ReservationTable:
         del self.entries[reservation.transfer_id]
         self.engine.kv_failed(reservation.transfer_id)
 
-    def drop_unticketed(
-        self, reservation: Reservation, reserve: concurrent.futures.Future
-    ) -> None:
+    def drop_unticketed(self, reservation: Reservation, reserve: concurrent.futures.Future) -> None:
         """The owner gave up before the ticket opened: drop what `reserve` may have held."""
         if reserve.cancelled() or reserve.exception() is not None or reserve.result() is None:
             self.forget(reservation)  # nothing was reserved

@@ -46,7 +46,7 @@ from engine.request import (
     Request,
     RequestStatus,
     SamplingParams,
-    context_overflow,
+    check_prompt,
 )
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.tp_worker import TPWorkers, WorkersLostError, start_workers
@@ -150,15 +150,7 @@ class Engine:
     ) -> Request:
         """Validate and build a request (raises InvalidRequestError on bad input)."""
         token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not _is_token_id(t, vocab) for t in token_ids):
-            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        params.check_vocab(vocab)
-        overflow = context_overflow(len(token_ids), params.max_tokens, self.max_model_len)
-        if overflow is not None:
-            raise InvalidRequestError(overflow)
+        check_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
         total = len(token_ids) + params.max_tokens
         if self.kv_manager.num_blocks_for(total) > self.kv_spec.num_blocks:
             raise InvalidRequestError(
@@ -408,7 +400,3 @@ def _may_stream_kv(item: ScheduledRequest) -> bool:
     step completing a prefill-only prompt); such blocks stay held until `release_held`,
     however the step ends, as after a successful prefill."""
     return item.request.prefill_only and item.samples
-
-
-def _is_token_id(value: object, vocab_size: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size

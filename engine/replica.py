@@ -21,6 +21,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
+from engine.request import Request, RequestSpec
 from engine.signals import RecentSamples
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
@@ -156,10 +157,29 @@ class EngineReplica:
             "num_running": occupancy["num_running"],
         }
 
+    def make_request(
+        self, spec: RequestSpec, request_id: str | None = None, prefill_only: bool = False
+    ) -> Request:
+        """`spec` as an engine request (under `request_id`, default `spec.request_id`),
+        checked by `Engine.make_request`: raises `InvalidRequestError` on bad input."""
+        return self.engine.make_request(
+            list(spec.prompt_token_ids),
+            spec.sampling_params,
+            request_id=request_id or spec.request_id,
+            tenant=spec.tenant,
+            priority=spec.priority,
+            prefill_only=prefill_only,
+        )
+
     def check_health(self) -> None:
-        """Raise unless the engine loop is alive and not stuck (cheap: reads two fields)."""
+        """Raise unless the engine loop is alive and not stuck, and every tensor-parallel
+        worker process still runs (cheap: reads a few fields, polls the worker processes)."""
         if not self.loop.is_alive:
             raise RuntimeError(f"{self.role} engine loop is dead")
+        workers = self.engine.workers
+        problem = workers.problem() if workers is not None else None
+        if problem is not None:
+            raise RuntimeError(f"{self.role} engine cannot serve: {problem}")
         stalled_s = self.loop.seconds_since_progress
         if stalled_s > self.stall_timeout_s:
             raise RuntimeError(
@@ -173,7 +193,10 @@ class EngineReplica:
             observer.observe(name, value)
 
     def shutdown(self) -> None:
+        """Close the observers, stop the engine loop, then the engine's tensor-parallel
+        workers (idempotent; the prefill and decode servers' `shutdown` call it)."""
         for observer in self.observers:
             observer.close()
         self.observers.clear()
         self.loop.shutdown()
+        self.engine.close()

@@ -1,4 +1,8 @@
-"""The request type shared by both pools.
+"""A request's description and the engine's request type shared by both pools.
+
+`RequestSpec` is what every stage is told of a request (each stage extends it), with its
+`SamplingParams` and the one prompt check (`check_prompt`); `Request` is the engine's,
+with its state.
 
 A request's lifecycle, as queues in the scheduler:
 
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Self, TypeGuard
 
 
 class RequestStatus(enum.Enum):
@@ -59,18 +65,9 @@ class InvalidRequestError(ValueError):
     """Bad user input (becomes a 4xx response at the API edge)."""
 
 
-def context_overflow(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
-    """Why prompt + max_tokens does not fit the model's context, or None when it fits.
-
-    The ingress and the engine both check this (the ingress first, to answer early).
-    """
-    total = num_prompt_tokens + max_tokens
-    if total <= max_model_len:
-        return None
-    return (
-        f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-        f"exceeds the model's context length of {max_model_len}"
-    )
+class ContextOverflowError(InvalidRequestError):
+    """Prompt + max_tokens exceed the model's context length (the API's 400
+    `context_length_exceeded`)."""
 
 
 # Limits on what one request may ask for, checked wherever SamplingParams are built (the HTTP
@@ -87,7 +84,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -216,6 +213,59 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def check_prompt(
+    token_ids: Sequence[object], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """The one check of a tokenized prompt with its params against a model, made by every
+    entry point: the ingress (`Frontend.prepare`, for the HTTP routes and the handle API, to
+    answer early) and the engine (`Engine.make_request`, for every caller).
+
+    Raises `InvalidRequestError` unless the prompt is non-empty, each id is an integer in
+    `[0, vocab_size)` and so is each stop token id; `ContextOverflowError` when prompt +
+    max_tokens exceed `max_model_len`.
+    """
+    if not token_ids:
+        raise InvalidRequestError("prompt is empty")
+    if not all(_is_int(t) and 0 <= t < vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})")
+    params.check_vocab(vocab_size)
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise ContextOverflowError(
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the model's context length of {max_model_len}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request as every stage describes it: validated, tokenized, with its params.
+
+    Each stage extends it with only what it adds: the ingress (`app.prepared.PreparedRequest`:
+    route, service class, deadline, choices), the decode call (`decode.protocol.GenerationSpec`:
+    prefill pool, time left) and the prefill call (`prefill.protocol.PrefillRequest`: replica
+    hints). `derive` builds the next stage's description from the previous one.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    tenant: str = ""
+    priority: int = 0  # lower is more important
+    # W3C trace context (traceparent, tracestate) of the span that sent this stage's call.
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def derive(cls, spec: RequestSpec, **changes: Any) -> Self:
+        """A `cls` carrying `spec`'s shared fields, with `changes` (shared fields to
+        override, and the fields `cls` adds)."""
+        shared = {name: getattr(spec, name) for name in _SHARED_FIELDS}
+        return cls(**(shared | changes))
+
+
+_SHARED_FIELDS = tuple(f.name for f in fields(RequestSpec))
 
 
 @dataclass(slots=True)

@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.request import SamplingParams
+from engine.request import RequestSpec
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillRequest:
-    """One prompt to prefill and hand off (the KV goes where the ticket says)."""
+class PrefillRequest(RequestSpec):
+    """One prompt to prefill and hand off (the KV goes where the ticket says): one attempt
+    of a decode request (`request_id` is the attempt's transfer id), with routing hints.
+    `trace_context`: the decode span that made this call.
+    """
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams
-    tenant: str = ""
-    priority: int = 0
     # Read by the replica router (app/replica_router.py): replicas this call must not go to
     # (their breaker is open, or they just failed this request), and a half-open replica
     # to probe with it. Names as in the replicas' routing stats (`replica`).
     exclude_replicas: tuple[str, ...] = ()
     probe_replica: str | None = None
-    # W3C trace context (traceparent, tracestate) of the decode span that made this call.
-    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

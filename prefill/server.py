@@ -83,14 +83,7 @@ class PrefillServer:
         """
         start = time.perf_counter()
         rid = spec.request_id
-        request = self.engine.make_request(
-            list(spec.prompt_token_ids),
-            spec.sampling_params,
-            request_id=rid,
-            tenant=spec.tenant,
-            priority=spec.priority,
-            prefill_only=True,
-        )
+        request = self.replica.make_request(spec, prefill_only=True)
         if len(ticket.block_ids) != self.engine.kv_manager.num_blocks_for(
             len(request.prompt_token_ids)
         ):
@@ -231,6 +224,8 @@ class PrefillServer:
             raise RuntimeError(f"prefill KV sender cannot serve: {problem}")
 
     def shutdown(self) -> None:
+        """Close the KV sender, then the replica: its engine loop and the engine's
+        tensor-parallel worker processes (`EngineReplica.shutdown`)."""
         self.sender.close()
         self.replica.shutdown()
 

@@ -471,6 +471,31 @@ def test_generate_request_maps_min_tokens_and_validates() -> None:
         GenerateRequest(prompt="hi", max_tokens=2, min_tokens=3).to_sampling_params()
 
 
+def test_handle_and_openai_map_the_same_fields_to_the_same_params() -> None:
+    """One mapping: every sampling field the handle API shares with the OpenAI body reaches
+    the engine's params the same way."""
+    shared: dict[str, Any] = {
+        "max_tokens": 9,
+        "min_tokens": 2,
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "top_k": 5,
+        "min_p": 0.05,
+        "seed": 11,
+        "stop": ["END"],
+        "stop_token_ids": [4],
+        "presence_penalty": 0.25,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.1,
+        "ignore_eos": True,
+        "logprobs": 2,
+    }
+    from_handle = GenerateRequest.model_validate({"prompt": "hi", **shared}).to_sampling_params()
+    from_openai = completion(**shared).to_sampling_params(default_max_tokens=16)
+    assert from_handle == from_openai
+    assert from_handle.min_tokens == 2 and from_handle.top_k == 5 and from_handle.logprobs == 2
+
+
 # ------------------------------------------------------------------------ errors over Ray
 
 

@@ -348,7 +348,8 @@ def test_expired_leases_of_gone_owners_come_back(kv_servers) -> None:
 
     async def reserve(spec: GenerationSpec) -> tuple[Reservation, Ticket]:
         reservation = Reservation(f"{spec.request_id}#0")
-        ticket = await decode._reserve(spec, reservation)
+        assert decode.remote is not None
+        ticket = await decode.remote.reserve(spec, reservation)
         assert ticket is not None
         return reservation, ticket
 
