@@ -10,7 +10,7 @@ from app.admission.classes import ServiceClass
 from app.admission.deadlines import Deadline
 from app.admission.fallback import Served
 from app.router import RouteDecision
-from engine.request import RequestSpec, SamplingParams
+from engine.request import RequestSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,8 +25,3 @@ class PreparedRequest(RequestSpec):
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
     # Set when the fallback pool serves it (`app/admission/fallback.py`); shared by copies.
     served: Served = dataclasses.field(default_factory=Served)
-
-    @property
-    def params(self) -> SamplingParams:
-        """`sampling_params`, by the name `app/admission/fallback.py` reads."""
-        return self.sampling_params

@@ -187,8 +187,8 @@ class FallbackPolicy:
             prepared.tenant,
             prepared.service_class.name,
             len(prepared.prompt_token_ids),
-            prepared.params.max_tokens,
-            prepared.params.stop_token_ids,
+            prepared.sampling_params.max_tokens,
+            prepared.sampling_params.stop_token_ids,
             trigger,
         )
         if not decision.served:
