@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +225,24 @@ def test_tenants_allowed_pools_decide_who_may_be_degraded() -> None:
 # ---- the frontend: a shed degradable request is prepared for the fallback pool ---------
 
 
+def _acme_batch_preparer(model_dir: Path) -> tuple[Frontend, Callable[[str | None], Any]]:
+    """A Frontend and `prepare(slo_class)`: its prepared request for tenant acme (default
+    class batch) with a prompt long enough for the prefill pool."""
+    config = load_config(
+        args(
+            str(model_dir),
+            tenants=[{"name": "acme", "api_keys": ["k"], "default_class": "batch"}],
+        )
+    )
+    front = Frontend(config, {})
+
+    async def prepare(slo_class: str | None) -> Any:
+        ids = await front.tokenize_prompt("a prompt for the prefill pool, long enough " * 2)
+        return front.prepare("k", ids, SamplingParams(max_tokens=4), slo_class=slo_class)
+
+    return front, lambda slo_class: asyncio.run(prepare(slo_class))
+
+
 @pytest.fixture
 def loaded_prefill_pool() -> Iterator[None]:
     """The prefill pool as its router would publish it: measured, with work queued."""
@@ -238,19 +256,9 @@ def loaded_prefill_pool() -> Iterator[None]:
 def test_prepare_moves_shed_degradable_requests_to_the_fallback(
     model_dir: Path, loaded_prefill_pool: None
 ) -> None:
-    config = load_config(
-        args(
-            str(model_dir),
-            tenants=[{"name": "acme", "api_keys": ["k"], "default_class": "batch"}],
-        )
-    )
-    front = Frontend(config, {})
+    front, prepare = _acme_batch_preparer(model_dir)
 
-    async def prepare(slo_class: str | None) -> Any:
-        ids = await front.tokenize_prompt("a prompt for the prefill pool, long enough " * 2)
-        return front.prepare("k", ids, SamplingParams(max_tokens=4), slo_class=slo_class)
-
-    prepared = asyncio.run(prepare(None))
+    prepared = prepare(None)
     assert prepared.route.decode_pool == "degraded" and prepared.route.local_prefill
     assert prepared.served.fallback is not None and prepared.served.route == prepared.route
     assert "shed" in prepared.route.reason and "-> fallback pool degraded" in prepared.route.reason
@@ -258,7 +266,7 @@ def test_prepare_moves_shed_degradable_requests_to_the_fallback(
     assert front.routing_report()["recent"] == []  # recorded when it runs, like any request
 
     with pytest.raises(ServiceUnavailableError) as refused:
-        asyncio.run(prepare("strict"))
+        prepare("strict")
     assert refused.value.code == "overloaded"
     [record] = front.routing_report()["recent"]
     assert record["shed"] == "overloaded" and "fallback" not in record
@@ -327,19 +335,9 @@ def open_breaker_on_decode_pool() -> Iterator[None]:
 def test_prepare_moves_degradable_requests_off_an_open_breaker(
     model_dir: Path, open_breaker_on_decode_pool: None
 ) -> None:
-    config = load_config(
-        args(
-            str(model_dir),
-            tenants=[{"name": "acme", "api_keys": ["k"], "default_class": "batch"}],
-        )
-    )
-    front = Frontend(config, {})
+    front, prepare = _acme_batch_preparer(model_dir)
 
-    async def prepare(slo_class: str | None) -> Any:
-        ids = await front.tokenize_prompt("a prompt for the prefill pool, long enough " * 2)
-        return front.prepare("k", ids, SamplingParams(max_tokens=4), slo_class=slo_class)
-
-    prepared = asyncio.run(prepare(None))
+    prepared = prepare(None)
     fallback = prepared.served.fallback
     assert fallback is not None and fallback.trigger == TRIGGER_BREAKER
     assert prepared.route.decode_pool == "degraded" and prepared.route.local_prefill
@@ -347,6 +345,6 @@ def test_prepare_moves_degradable_requests_off_an_open_breaker(
     assert "breaker: degradable class batch -> fallback pool degraded" in prepared.route.reason
 
     # Not degradable: it stays on its decode pool (which prefills it locally), not refused.
-    strict = asyncio.run(prepare("strict"))
+    strict = prepare("strict")
     assert strict.served.fallback is None
     assert strict.route.decode_pool == "decode" and strict.route.prefill_pool == "prefill"

@@ -10,30 +10,12 @@ from dataclasses import replace
 
 from engine.config import EngineConfig
 from engine.replica import EngineReplica
-
-EXIT_TIMEOUT_S = 30.0
+from tests.engine.processes import EXIT_TIMEOUT_S, gone, wait_gone
 
 
 def _replica() -> EngineReplica:
     config = replace(EngineConfig(model_dir="tiny"), num_threads=1, tensor_parallel_size=2)
     return EngineReplica("decode:test", config)
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped yet counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def _wait_gone(pids: list[int]) -> list[int]:
-    """The pids still running after `EXIT_TIMEOUT_S`."""
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    while time.monotonic() < deadline and not all(_gone(pid) for pid in pids):
-        time.sleep(0.2)
-    return [pid for pid in pids if not _gone(pid)]
 
 
 def _health_error(replica: EngineReplica) -> str | None:
@@ -68,7 +50,7 @@ def test_shutdown_stops_the_tp_workers() -> None:
     workers = replica.engine.workers
     assert workers is not None
     pids = workers.pids
-    assert not any(_gone(pid) for pid in pids)
+    assert not any(gone(pid) for pid in pids)
     replica.shutdown()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
     replica.shutdown()  # idempotent

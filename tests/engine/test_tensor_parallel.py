@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -20,6 +19,7 @@ from engine.engine import Engine
 from engine.loader import load_model_config, load_state_dict
 from engine.parallel import Shard, check_shardable, shard_state_dict, split
 from engine.request import SamplingParams
+from tests.engine.processes import EXIT_TIMEOUT_S, gone, wait_gone
 
 PROMPTS: list[str | list[int]] = [
     "hello",
@@ -27,7 +27,6 @@ PROMPTS: list[str | list[int]] = [
     list(range(3, 60)),
 ]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-EXIT_TIMEOUT_S = 30.0
 
 
 def _engine(model: str, size: int, **overrides: object) -> Engine:
@@ -39,23 +38,6 @@ def _token_ids(engine: Engine, prompts: list[str | list[int]], params: SamplingP
         return [output.token_ids for output in engine.generate(prompts, params)]
     finally:
         engine.close()
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped yet counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
-def _wait_gone(pids: list[int]) -> list[int]:
-    """The pids still running after `EXIT_TIMEOUT_S`."""
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    while time.monotonic() < deadline and not all(_gone(pid) for pid in pids):
-        time.sleep(0.2)
-    return [pid for pid in pids if not _gone(pid)]
 
 
 # ---- sharding ---------------------------------------------------------------------------
@@ -180,19 +162,19 @@ def rank0() -> Iterator[subprocess.Popen[str]]:
 def test_workers_exit_when_rank0_is_killed(rank0: subprocess.Popen[str]) -> None:
     assert rank0.stdout is not None
     pids = [int(pid) for pid in rank0.stdout.readline().split()]
-    assert len(pids) == 1 and not _gone(pids[0])
+    assert len(pids) == 1 and not gone(pids[0])
     os.kill(rank0.pid, signal.SIGKILL)
     rank0.wait(EXIT_TIMEOUT_S)
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 def test_workers_exit_on_close() -> None:
     engine = _engine("tiny", 2)
     assert engine.workers is not None
     pids = engine.workers.pids
-    assert not any(_gone(pid) for pid in pids)
+    assert not any(gone(pid) for pid in pids)
     engine.close()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 def test_a_dead_worker_stops_the_engine_not_hangs_it() -> None:
@@ -200,7 +182,7 @@ def test_a_dead_worker_stops_the_engine_not_hangs_it() -> None:
     assert engine.workers is not None
     try:
         os.kill(engine.workers.pids[0], signal.SIGKILL)
-        assert _wait_gone(engine.workers.pids) == []
+        assert wait_gone(engine.workers.pids) == []
         request = engine.make_request("hello", GREEDY)
         engine.add_request(request)
         with pytest.raises(RuntimeError, match="tensor-parallel"):
