@@ -7,7 +7,8 @@ the reference and the transfer interleaved (medians of `--repeats`):
 - `raw_transfer_ms`: first `send_layer` to `DONE` observed on the decode side, all layers
   issued back to back; `transfer_gb_s` = bytes / that;
 - `reference_gb_s`: the same byte count moved the plain way: one memcpy between two
-  preallocated buffers (shm) or one raw socket stream between the two processes (tcp);
+  preallocated buffers (shm), one device copy into the receiver's GPU (nccl, cuda_ipc), or
+  one raw socket stream between the two processes (tcp);
 - the overlap run: each layer is preceded by an artificial compute delay (the raw
   per-layer transfer time, so compute and transfer are equal): `overlap_total_ms` vs
   `compute_ms` + `transfer_ms`, and `handover_ms`, from the last layer computed to DONE.
@@ -85,13 +86,15 @@ def load_geometry(model_dir: str, dtype: str) -> Geometry:
 
 
 def _prefill_worker(
-    conn: Connection, backend: str, spec: KVCacheSpec, seed: int
+    conn: Connection, backend: str, spec: KVCacheSpec, seed: int, devices: tuple[str, str]
 ) -> None:  # pragma: no cover - runs in the child
     torch.manual_seed(seed)
-    cache = KVCache.allocate(spec)
+    device, receiver_device = devices  # the sender's and the receiver's
+    cache = KVCache.allocate(spec, device)
     cache.flat.view(torch.uint8).random_()
     released: list[str] = []
-    sender = create_sender(backend, spec, model_id=MODEL_ID, release=released.append)
+    gpu = None if device == "cpu" else device
+    sender = create_sender(backend, spec, model_id=MODEL_ID, release=released.append, device=gpu)
     ref_src = ref_dst = np.empty(0, dtype=np.uint8)
     try:
         while (msg := conn.recv()) is not None:
@@ -99,6 +102,14 @@ def _prefill_worker(
             if op == "transfer":
                 _, ticket, src_ids, delay_s = msg
                 conn.send(_send_all(sender, cache, ticket, src_ids, delay_s))
+            elif op == "memcpy" and gpu:  # one device copy into the receiver's GPU
+                src = torch.full((msg[1],), 7, dtype=torch.uint8, device=device)
+                dst = torch.ones(msg[1], dtype=torch.uint8, device=receiver_device)
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                torch.cuda.synchronize(receiver_device)
+                conn.send(time.perf_counter() - t0)
             elif op == "memcpy":
                 nbytes = msg[1]
                 if ref_src.nbytes < nbytes:
@@ -150,11 +161,14 @@ def _compute(seconds: float) -> None:
 
 
 def _checksums(cache: KVCache, block_ids: list[int]) -> list[int]:
-    from kvtransfer.blockcopy import block_rows, layer_crc
+    from kernels.rowcopy import block_rows
+    from kvtransfer.payload import layer_crc
 
     ids = np.asarray(block_ids, dtype=np.int64)
     return [
-        layer_crc(block_rows(cache.key_caches[i]), block_rows(cache.value_caches[i]), ids)
+        layer_crc(
+            block_rows(cache.key_caches[i].cpu()), block_rows(cache.value_caches[i].cpu()), ids
+        )
         for i in range(cache.num_layers)
     ]
 
@@ -227,7 +241,7 @@ def _measure(
     nbytes = n * spec.bytes_per_block
     raw, ref = [], []
     for rep in range(args.repeats):
-        if args.backend == "shm":
+        if args.backend != "tcp":
             conn.send(("memcpy", nbytes))
             ref.append(conn.recv())
         else:
@@ -276,7 +290,9 @@ def _measure(
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__)
-    parser.add_argument("--backend", choices=("shm", "tcp"), default="shm")
+    parser.add_argument("--backend", choices=("shm", "tcp", "nccl", "cuda_ipc"), default="shm")
+    parser.add_argument("--device", help="nccl/cuda_ipc: the receiver's GPU (default cuda:0)")
+    parser.add_argument("--sender-device", help="nccl/cuda_ipc: the sender's (default --device)")
     parser.add_argument("--model", required=True, help="model directory (config.json is read)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32")
@@ -293,11 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     geometry = load_geometry(args.model, args.dtype)
     max_blocks = math.ceil(max(args.tokens) / args.block_size)
+    gpu = args.backend in ("nccl", "cuda_ipc")
+    device = args.device or ("cuda:0" if gpu else "cpu")
+    devices = (args.sender_device or device, device)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     worker = ctx.Process(
         target=_prefill_worker,
-        args=(child, args.backend, geometry.spec(max_blocks + 8, args.block_size), args.seed),
+        args=(
+            child,
+            args.backend,
+            geometry.spec(max_blocks + 8, args.block_size),
+            args.seed,
+            devices,
+        ),
         daemon=True,
     )
     receiver = create_receiver(
@@ -305,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         geometry.spec(max_blocks + max_blocks // 4 + 8, args.block_size),
         model_id=MODEL_ID,
         release=lambda rid: None,
+        device=device if gpu else None,
     )
     worker.start()
     rng = np.random.default_rng(args.seed)

@@ -15,6 +15,7 @@ with a clear `BackendUnavailableError` when used) on a machine without CUDA:
 | `shm` | one host | sender writes into decode's cache in /dev/shm (one copy) |
 | `tcp` | across hosts | one frame per layer, gathered from / scattered into the caches |
 | `nccl` | GPUs | NCCL send/recv, control frames over TCP |
+| `cuda_ipc` | GPUs of one node | sender copies into decode's CUDA cache (IPC handle) |
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from kvtransfer.receiver import Landing, Receiver
 from kvtransfer.sender import Sender, Writing
 from kvtransfer.tcp import is_loopback
 
-BACKENDS = ("nccl", "shm", "tcp")
+BACKENDS = ("cuda_ipc", "nccl", "shm", "tcp")
 
 
 def available_backends() -> list[str]:
@@ -72,12 +73,13 @@ def create_receiver(
 ) -> Receiver:
     """Called once per decode replica at startup. The receiver owns or adopts the cache.
 
-    `kv_cache=None` allocates one (on `device` for nccl; for `shm` it must be None: the
-    cache is created in shared memory; read it back from `receiver.kv_cache`).
+    `kv_cache=None` allocates one (on `device` for nccl and cuda_ipc; for `shm` it must be
+    None: the cache is created in shared memory; read it back from `receiver.kv_cache`).
     `release(request_id)` frees a request's destination blocks when its transfer ends other
     than DONE. tcp and nccl listen on `host:port` and name `advertise_host` (else `host`)
     in tickets; without `options.secret` they listen on loopback addresses only. shm takes
-    a segment `name`. `epoch` pins the incarnation number (tests).
+    a segment `name`; shm and cuda_ipc listen on a local Unix socket. `epoch` pins the
+    incarnation number (tests).
     """
     _check(backend)
     landing: Landing
@@ -87,6 +89,10 @@ def create_receiver(
         from kvtransfer.shm import ShmLanding
 
         landing = ShmLanding(spec, name)
+    elif backend == "cuda_ipc":
+        from kvtransfer.cuda_ipc import CudaIpcLanding
+
+        landing = CudaIpcLanding(spec, kv_cache, device)
     else:
         if options.secret is None and not is_loopback(host):
             raise ValueError(
@@ -138,6 +144,10 @@ def create_sender(
         from kvtransfer.tcp import TcpWriting
 
         writing = TcpWriting(host)
+    elif backend == "cuda_ipc":
+        from kvtransfer.cuda_ipc import CudaIpcWriting
+
+        writing = CudaIpcWriting(spec, device)
     else:
         from kvtransfer.nccl import NcclWriting
 

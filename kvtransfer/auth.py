@@ -31,14 +31,13 @@ from kvtransfer.base import (
 )
 from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Kind
 
-NONCE_BYTES = 32
 AUTH_FAILED = "authentication failed"  # the whole refusal an unauthenticated peer gets
 _HELLO_LABEL = b"pdserve-kv-hello/v2"
 _WELCOME_LABEL = b"pdserve-kv-welcome/v2"
 
 
 def new_nonce() -> str:
-    return secrets.token_hex(NONCE_BYTES)
+    return secrets.token_hex(32)
 
 
 def hello_mac(secret: str, nonce_r: str, nonce_s: str, hello: dict[str, object]) -> str:
@@ -67,7 +66,7 @@ def sender_handshake(
     AuthenticationError for a receiver without a secret or a wrong proof, ProtocolError or
     PeerLostError for anything else.
     """
-    challenge = _expect(fs, Kind.CHALLENGE, endpoint)
+    _, challenge = expect(fs, (Kind.CHALLENGE,), endpoint)
     if challenge.get("version") != PROTOCOL_VERSION:
         raise KVTransferError(
             f"receiver at {endpoint} speaks protocol version {challenge.get('version')}, "
@@ -89,14 +88,9 @@ def sender_handshake(
     if secret is not None:
         hello["mac"] = hello_mac(secret, nonce_r, nonce_s, hello)
     fs.send_json(Kind.HELLO, "", hello)
-    header = fs.recv_header()
-    if header is None:
-        raise PeerLostError(f"{endpoint} closed the connection during the handshake")
-    body = fs.recv_json(header)
-    if header.kind is Kind.REFUSE:
+    kind, body = expect(fs, (Kind.WELCOME, Kind.REFUSE), endpoint)
+    if kind is Kind.REFUSE:
         raise error_from_wire(body, f"receiver at {endpoint}")
-    if header.kind is not Kind.WELCOME:
-        raise ProtocolError(f"expected WELCOME from {endpoint}, got {header.kind.name}")
     if secret is not None and not verify(welcome_mac(secret, nonce_r, nonce_s, body), body):
         raise AuthenticationError(
             f"receiver at {endpoint} could not prove it holds the shared secret"
@@ -104,14 +98,14 @@ def sender_handshake(
     return body
 
 
-def _expect(fs: FrameSocket, kind: Kind, endpoint: str) -> dict[str, object]:
-    """The JSON payload of the next frame, which must be a `kind` frame."""
-    header = fs.recv_header()
-    if header is None:
-        raise PeerLostError(f"{endpoint} closed the connection during the handshake")
-    if header.kind is not kind:
-        raise ProtocolError(f"expected {kind.name} from {endpoint}, got {header.kind.name}")
-    return fs.recv_json(header)
+def expect(fs: FrameSocket, kinds: tuple[Kind, ...], peer: str) -> tuple[Kind, dict[str, object]]:
+    """During a handshake: the kind and JSON payload of the next frame, which must be of
+    one of `kinds` (else ProtocolError; PeerLostError at EOF)."""
+    if (header := fs.recv_header()) is None:
+        raise PeerLostError(f"{peer} closed the connection during the handshake")
+    if header.kind not in kinds:
+        raise ProtocolError(f"expected {kinds[0].name} from {peer}, got {header.kind.name}")
+    return header.kind, fs.recv_json(header)
 
 
 def _mac(secret: str, label: bytes, nonce_r: str, nonce_s: str, body: dict[str, object]) -> str:

@@ -1,17 +1,15 @@
 """The KV-transfer vocabulary both ends share: states, errors, layout, ticket, options.
 
-A transfer's lifecycle (one per request, decode as orchestrator; `Receiver` in
-`receiver.py`, `Sender` in `sender.py`):
+A transfer's lifecycle (one per request; `Receiver` on decode, `Sender` on prefill):
 
     decode: open_ticket ──▶ PENDING ──first layer accepted──▶ TRANSFERRING ──finish──▶ DONE
     prefill:                 send_layer(0) … send_layer(L-1), finish
     any state ──abort (either side)──▶ ABORTED     ──deadline passed──▶ EXPIRED
               ──peer lost / checksum / protocol error──▶ FAILED
 
-Every transfer ends in exactly one terminal state. The receiver calls its `release`
-callback once for every terminal state except DONE (the destination blocks then hold the
-KV and stay with the decode request); the sender calls its `release` once in every
-terminal state (the source blocks are no longer read).
+Every transfer ends in exactly one terminal state. The receiver calls its `release` once for
+every terminal state but DONE (the blocks then hold the KV and stay with the decode request);
+the sender calls its `release` once in every terminal state (the source blocks are unread).
 """
 
 from __future__ import annotations
@@ -27,8 +25,8 @@ import torch
 
 from engine.kv_cache import KVCacheSpec
 
-# Version of the cache memory layout both ends assume: `[layers, 2 (K, V), blocks, slots,
-# kv_heads, head_dim]`, K before V. Bump when engine/kv_cache.py changes it.
+# The cache memory layout both ends assume: `[layers, 2 (K, V), blocks, slots, kv_heads,
+# head_dim]`. Bump when engine/kv_cache.py changes it.
 KV_MEMORY_LAYOUT = "layer.kv.block.slot.head.dim/v1"
 
 ReleaseFn = Callable[[str], None]
@@ -50,27 +48,18 @@ class TransferState(enum.Enum):
     @property
     def code(self) -> int:
         """Small integer for the wire."""
-        return _STATE_CODES[self]
+        return list(TransferState).index(self)
 
     @classmethod
     def from_code(cls, code: int) -> TransferState:
         """Inverse of `code`; a code no state has (a broken peer) is a `ProtocolError`."""
-        state = _STATES_BY_CODE.get(code)
-        if state is None:
+        if not 0 <= code < len(cls):
             raise ProtocolError(f"unknown transfer state code {code}")
-        return state
-
-
-_STATE_CODES = {state: i for i, state in enumerate(TransferState)}
-_STATES_BY_CODE = {i: state for state, i in _STATE_CODES.items()}
-
-
-# ---------------------------------------------------------------------------------------
-# Errors (each becomes a transfer's `error()`; connect() raises them directly)
+        return list(cls)[code]
 
 
 class KVTransferError(RuntimeError):
-    """Base of every transfer failure."""
+    """Base of every transfer failure (each becomes a transfer's `error()`)."""
 
 
 class KVLayoutMismatchError(KVTransferError):
@@ -82,8 +71,7 @@ class KVLayoutMismatchError(KVTransferError):
         ours: str = "local",
         theirs: str = "remote",
     ) -> None:
-        self.differences = dict(differences)
-        self.labels = (ours, theirs)
+        self.differences, self.labels = dict(differences), (ours, theirs)
         listed = "; ".join(f"{k}: {ours}={a!r} {theirs}={b!r}" for k, (a, b) in differences.items())
         super().__init__(f"KV layout mismatch between {ours} and {theirs}: {listed}")
 
@@ -128,53 +116,31 @@ class UnknownTransferError(KVTransferError):
     """No transfer with this request id is known (never opened, or long forgotten)."""
 
 
-_ERRORS: dict[str, type[KVTransferError]] = {
-    cls.__name__: cls
-    for cls in (
-        KVTransferError,
-        StaleEpochError,
-        ChecksumMismatchError,
-        TransferAbortedError,
-        TransferExpiredError,
-        PeerLostError,
-        PeerTimeoutError,
-        ProtocolError,
-        AuthenticationError,
-        UnknownTransferError,
-    )
-}
+# Errors that cross the wire by name (any other name arrives as a KVTransferError);
+# KVLayoutMismatchError travels with its differences.
+_SIMPLE: list[type[KVTransferError]] = [KVTransferError, PeerTimeoutError, ProtocolError]
+_WIRE_ERRORS = {c.__name__: c for c in _SIMPLE + KVTransferError.__subclasses__()}
+del _WIRE_ERRORS["KVLayoutMismatchError"]
 
 
-def error_to_wire(error: KVTransferError | None) -> dict[str, object]:
+def error_to_wire(error: KVTransferError) -> dict[str, object]:
     """JSON-able form of an error, for the control channel."""
-    if error is None:
-        return {}
+    wire: dict[str, object] = {"error": type(error).__name__, "message": str(error)}
     if isinstance(error, KVLayoutMismatchError):
-        diffs = {k: [a, b] for k, (a, b) in error.differences.items()}
-        return {
-            "error": "KVLayoutMismatchError",
-            "differences": diffs,
-            "labels": list(error.labels),
-        }
-    return {"error": type(error).__name__, "message": str(error)}
+        wire |= {"differences": error.differences, "labels": error.labels}
+    return wire
 
 
 def error_from_wire(obj: dict[str, object], context: str) -> KVTransferError:
     """Inverse of `error_to_wire`; `context` says who reported it (e.g. "receiver")."""
-    name = str(obj.get("error", "KVTransferError"))
-    if name == "KVLayoutMismatchError":
-        raw = obj.get("differences", {})
-        labels = obj.get("labels", ["remote", "local"])
-        if not isinstance(raw, dict) or not isinstance(labels, list | tuple):
-            return KVTransferError(f"{context}: malformed layout mismatch report")
-        diffs = {k: (v[0], v[1]) for k, v in raw.items()}
-        return KVLayoutMismatchError(diffs, str(labels[0]), str(labels[1]))
-    cls = _ERRORS.get(name, KVTransferError)
-    return cls(f"{context}: {obj.get('message', name)}")
-
-
-# ---------------------------------------------------------------------------------------
-# Layout descriptor and ticket
+    name, diffs, labels = obj.get("error"), obj.get("differences"), obj.get("labels")
+    if name == "KVLayoutMismatchError" and isinstance(diffs, dict):
+        ours, theirs = (
+            labels if isinstance(labels, list | tuple) and len(labels) == 2 else ("?", "?")
+        )
+        pairs = {str(k): tuple(v) for k, v in diffs.items() if isinstance(v, list | tuple)}
+        return KVLayoutMismatchError(pairs, str(ours), str(theirs))  # type: ignore[arg-type]
+    return _WIRE_ERRORS.get(str(name), KVTransferError)(f"{context}: {obj.get('message', name)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,36 +157,28 @@ class KVLayout:
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model_id: str) -> KVLayout:
-        return cls(
-            model_id=model_id,
-            dtype=spec.dtype,
-            block_size=spec.block_size,
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-        )
+        geometry = (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        return cls(model_id, spec.dtype, *geometry)
 
     def differences(self, other: KVLayout) -> dict[str, tuple[object, object]]:
         """Fields that differ, as `{field: (self's value, other's value)}`."""
-        return {
-            f.name: (getattr(self, f.name), getattr(other, f.name))
-            for f in fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        }
+        pairs = ((f.name, getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        return {name: (a, b) for name, a, b in pairs if a != b}
 
     def check_matches(self, other: KVLayout, ours: str = "local", theirs: str = "remote") -> None:
         """Raise `KVLayoutMismatchError` listing every differing field."""
-        diffs = self.differences(other)
-        if diffs:
+        if diffs := self.differences(other):
             raise KVLayoutMismatchError(diffs, ours, theirs)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, obj: dict[str, object]) -> KVLayout:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in obj.items() if k in names})  # type: ignore[arg-type]
+    def from_dict(cls, obj: object) -> KVLayout:
+        """A layout from its `to_dict` form (unknown keys ignored); TypeError if malformed."""
+        if not isinstance(obj, dict):
+            raise TypeError("a layout is a JSON object")
+        return cls(**{f.name: obj[f.name] for f in fields(cls) if f.name in obj})
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,10 +249,7 @@ _epoch_lock = threading.Lock()
 
 def new_epoch() -> int:
     """A receiver incarnation number: start time (µs) with 12 random low bits; fits 64 bits.
-
-    Strictly increasing within a process (two receivers started in the same microsecond
-    could otherwise draw the same number); the random bits separate processes.
-    """
+    Strictly increasing within a process; the random bits separate processes."""
     global _last_epoch
     candidate = (((time.time_ns() // 1000) << 12) | secrets.randbits(12)) & (2**64 - 1)
     with _epoch_lock:

@@ -1,18 +1,9 @@
 """A minimal ctypes binding to NCCL: unique ids, communicators, grouped point-to-point.
 
-One NCCL: torch's. A CUDA build of torch depends on the NVIDIA NCCL wheel it was built
-against (`nvidia-nccl-cu12` for CUDA 12 builds, `nvidia-nccl-cu13` for CUDA 13; both install
-`nvidia/nccl/lib/libnccl.so.2`) and loads it when imported, so pdserve pins no NCCL of its
-own (the `gpu` extra has none): a second pin could replace that file with another version.
-`libnccl.so.2` is searched, in order:
-
-1. the NCCL already loaded into this process (torch's, read from `/proc/self/maps`), so
-   the KV transfer and torch never run two NCCLs side by side;
-2. the NVIDIA NCCL wheel's directory (`nvidia/nccl/lib` on the import path);
-3. torch's own `torch/lib` (builds that bundle it);
-4. the system loader (`LD_LIBRARY_PATH`, `ldconfig`).
-
-Importing this module needs neither CUDA nor NCCL; `load_nccl()` raises
+One NCCL, torch's (its CUDA build depends on the `nvidia-nccl-cu12`/`-cu13` wheel and maps
+it when imported; pdserve pins none). `libnccl.so.2` is searched: already mapped into this
+process (`/proc/self/maps`), the NVIDIA wheel's `nvidia/nccl/lib`, `torch/lib`, then the
+system loader. Importing needs neither CUDA nor NCCL; `load_nccl()` raises
 `BackendUnavailableError` naming every place it looked and what to install.
 """
 
@@ -30,13 +21,11 @@ from kvtransfer.base import BackendUnavailableError, KVTransferError
 
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libnccl.so.2"
+NCCL_UINT8 = 1  # ncclDataType_t of the raw bytes we move
 
 
 class NcclUniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
-
-
-NCCL_UINT8 = 1  # ncclDataType_t of the raw bytes we move
 
 
 class NcclError(KVTransferError):
@@ -71,13 +60,6 @@ def _package_dirs() -> list[str]:
     return [os.path.join(root, "nccl", "lib") for root in roots]
 
 
-def _torch_lib_dir() -> str | None:
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.origin:
-        return None
-    return os.path.join(os.path.dirname(spec.origin), "lib")
-
-
 def candidate_paths(
     maps: str | None = None,
     package_dirs: Sequence[str] | None = None,
@@ -86,36 +68,36 @@ def candidate_paths(
     """Where `libnccl.so.2` may be, in the order of the module docstring: files that exist
     (each once), then the bare name for the system loader. The arguments default to this
     process's maps, the installed `nvidia` packages and torch's `lib` directory."""
+    if torch_lib_dir is None:
+        torch_spec = importlib.util.find_spec("torch")
+        origin = torch_spec.origin if torch_spec is not None else None
+        torch_lib_dir = os.path.join(os.path.dirname(origin), "lib") if origin else ""
+    directories = [*(_package_dirs() if package_dirs is None else package_dirs), torch_lib_dir]
+    found = loaded_libraries(_process_maps() if maps is None else maps)
+    for directory in filter(None, directories):
+        found += sorted(glob.glob(os.path.join(directory, "libnccl.so*")))
     seen: set[str] = set()
-    groups = [loaded_libraries(_process_maps() if maps is None else maps)]
-    for directory in _package_dirs() if package_dirs is None else package_dirs:
-        groups.append(sorted(glob.glob(os.path.join(directory, "libnccl.so*"))))
-    torch_lib = _torch_lib_dir() if torch_lib_dir is None else torch_lib_dir
-    if torch_lib:
-        groups.append(sorted(glob.glob(os.path.join(torch_lib, "libnccl.so*"))))
-    for group in groups:
-        for path in group:
-            real = os.path.realpath(path)
-            if real not in seen:
-                seen.add(real)
-                yield path
+    for path in found:
+        if (real := os.path.realpath(path)) not in seen:
+            seen.add(real)
+            yield path
     yield LIBRARY_NAME  # the system loader's search path (LD_LIBRARY_PATH, ldconfig)
 
 
 class NcclLibrary:
-    """Typed wrappers over the NCCL C API functions pdserve uses."""
+    """Typed wrappers over the NCCL C API functions pdserve uses; each raises NcclError."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        lib = ctypes.CDLL(path)
-        c_int, c_void_p, c_size_t = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+        self.path, lib = path, ctypes.CDLL(path)
+        c_int, ptr, size = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+        p2p: tuple[list[object], object] = ([ptr, size, c_int, c_int, ptr, ptr], c_int)
         signatures: dict[str, tuple[list[object], object]] = {
             "ncclGetVersion": ([ctypes.POINTER(c_int)], c_int),
             "ncclGetUniqueId": ([ctypes.POINTER(NcclUniqueId)], c_int),
-            "ncclCommInitRank": ([ctypes.POINTER(c_void_p), c_int, NcclUniqueId, c_int], c_int),
-            "ncclCommAbort": ([c_void_p], c_int),
-            "ncclSend": ([c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p], c_int),
-            "ncclRecv": ([c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p], c_int),
+            "ncclCommInitRank": ([ctypes.POINTER(ptr), c_int, NcclUniqueId, c_int], c_int),
+            "ncclCommAbort": ([ptr], c_int),
+            "ncclSend": p2p,
+            "ncclRecv": p2p,
             "ncclGroupStart": ([], c_int),
             "ncclGroupEnd": ([], c_int),
             "ncclGetErrorString": ([c_int], ctypes.c_char_p),
@@ -125,50 +107,47 @@ class NcclLibrary:
             fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
 
-    def _check(self, result: int, what: str) -> None:
-        if result != 0:
+    def _call(self, name: str, *args: object) -> None:
+        if (result := getattr(self._lib, name)(*args)) != 0:
             message = self._lib.ncclGetErrorString(result)
             text = message.decode() if message else "unknown error"
-            raise NcclError(f"{what} failed with NCCL error {result}: {text}")
+            raise NcclError(f"{name} failed with NCCL error {result}: {text}")
 
     def version(self) -> int:
         out = ctypes.c_int()
-        self._check(self._lib.ncclGetVersion(ctypes.byref(out)), "ncclGetVersion")
+        self._call("ncclGetVersion", ctypes.byref(out))
         return out.value
 
     def unique_id(self) -> bytes:
         uid = NcclUniqueId()
-        self._check(self._lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        self._call("ncclGetUniqueId", ctypes.byref(uid))
         return bytes(bytearray(uid.internal))
 
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int:
         """Join a communicator; blocks until all `nranks` ranks joined. Returns the handle."""
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
-        uid = NcclUniqueId()
+        uid, comm = NcclUniqueId(), ctypes.c_void_p()
         ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
-        comm = ctypes.c_void_p()
-        self._check(
-            self._lib.ncclCommInitRank(ctypes.byref(comm), nranks, uid, rank), "ncclCommInitRank"
-        )
+        self._call("ncclCommInitRank", ctypes.byref(comm), nranks, uid, rank)
         assert comm.value is not None
         return comm.value
 
     def comm_abort(self, comm: int) -> None:
         """Tear a communicator down even with operations stuck on a dead peer."""
-        self._check(self._lib.ncclCommAbort(ctypes.c_void_p(comm)), "ncclCommAbort")
+        self._call("ncclCommAbort", ctypes.c_void_p(comm))
 
     def send(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        self._check(self._lib.ncclSend(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclSend")
+        self._call("ncclSend", ptr, nbytes, NCCL_UINT8, peer, comm, stream)
 
     def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
-        self._check(self._lib.ncclRecv(ptr, nbytes, NCCL_UINT8, peer, comm, stream), "ncclRecv")
+        self._call("ncclRecv", ptr, nbytes, NCCL_UINT8, peer, comm, stream)
 
     def group_start(self) -> None:
-        self._check(self._lib.ncclGroupStart(), "ncclGroupStart")
+        self._call("ncclGroupStart")
 
     def group_end(self) -> None:
-        self._check(self._lib.ncclGroupEnd(), "ncclGroupEnd")
+        self._call("ncclGroupEnd")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,27 +1,21 @@
 """The prefill side: a `Sender` streams each request's layers to its ticket's receiver.
 
-It holds the `TransferTable` and one `Writing`, the backend's data path (shm, tcp, nccl).
-`send_layer`/`finish` only enqueue; one worker thread drains the queue in order:
-
-    connection (cached per endpoint, replaced after `idle_timeout_s / 2` unused):
-        CHALLENGE -> HELLO (our proof of the secret) -> WELCOME (the receiver's proof,
-        checked before any write) | REFUSE (-> AuthenticationError, KVLayoutMismatchError)
-        -> `Writing.welcome` (shm: map the segment; nccl: join the communicator)
-    first item of a ticket: epoch check, BEGIN -> wait ACCEPT | REJECT
-    layer items: `Writing.write` (shm: copy into the mapped cache, every layer already
-        queued in one native call; tcp: one payload frame per layer; nccl: pack + send)
-    finish item: FINISH; the transfer turns DONE when the receiver's RESULT arrives
-
-`connect(ticket)` (called by prefill when the ticket arrives) does the handshake and
-BEGIN on the caller's thread instead, so the first layer starts without a round trip.
-One reader thread per connection handles ACCEPT/REJECT/RESULT and the receiver's ABORT:
-it stops our writes (under the record's write_lock), answers ABORT_ACK, and releases.
+It holds an `Endpoint` and one `Writing` (the backend's data path). `send_layer`/`finish`
+only enqueue; one worker thread drains the queue in order, coalescing the layers of a
+ticket already queued into one `Writing.write`. Per receiver one cached connection
+(replaced after `idle_timeout_s / 2` unused): CHALLENGE -> HELLO -> WELCOME (both proofs
+of the secret, `auth`) -> `Writing.welcome`; per ticket BEGIN -> ACCEPT | REJECT before
+any write, LAYER frames, FINISH -> RESULT (DONE). `connect(ticket)` does the handshake and
+BEGIN early, on the caller's thread. One reader thread per connection handles the
+receiver's answers and its ABORT: it stops our writes (under the record's write_lock),
+answers ABORT_ACK, and releases.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import socket
 import threading
@@ -35,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
+from kernels.rowcopy import as_id_array
 from kvtransfer import auth
 from kvtransfer.base import (
     BlockIds,
@@ -51,10 +46,9 @@ from kvtransfer.base import (
     TransferOptions,
     TransferState,
     error_from_wire,
-    error_to_wire,
 )
-from kvtransfer.blockcopy import as_id_array
-from kvtransfer.table import Reaper, TransferRecord, TransferTable
+from kvtransfer.endpoint import Endpoint
+from kvtransfer.table import TransferRecord, TransferTable
 from kvtransfer.wire import Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
@@ -75,28 +69,34 @@ class LayerItem:
 
 
 class Writing(Protocol):
-    """A backend's sending data path, held by one `Sender` (which calls every method)."""
+    """A backend's sending data path, held by one `Sender` (which calls every method);
+    backends subclass it to inherit the optional steps, which default to nothing."""
 
     backend: str
 
     def open(self, endpoint: str, timeout_s: float) -> socket.socket:
         """A connected socket to the receiver's control endpoint."""
+        raise NotImplementedError
 
     def welcome(self, conn: Connection) -> None:
         """After the receiver's WELCOME was verified: set up the connection's data path."""
+        return None
 
     def ready(self, k_cache: torch.Tensor) -> object | None:
         """In `send_layer`, on the caller's thread: mark the layer computed (nccl: event)."""
+        return None
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
-        """Worker thread: move consecutive queued layers of one transfer, then send their
-        LAYER frames (with a CRC32 each when `checksum`). Writes into the receiver's blocks
-        happen under `record.write_lock` and only while the record is not terminal."""
+        """Worker thread: move queued layers of one transfer, then send their LAYER frames
+        (a CRC32 each with `checksum`); the receiver's blocks are written under
+        `record.write_lock`, and only while the record is not terminal."""
+        raise NotImplementedError
 
     def disconnected(self, conn: Connection) -> None:
         """The connection is gone: free its state (shm: unmap; nccl: abort the comm)."""
+        return None
 
 
 class RejectedError(KVTransferError):
@@ -104,17 +104,13 @@ class RejectedError(KVTransferError):
 
     def __init__(self, state: TransferState, error: KVTransferError) -> None:
         super().__init__(str(error))
-        self.state = state
-        self.cause = error
+        self.state, self.cause = state, error
 
 
 class Sender:
-    """Prefill side of every backend; thread-safe.
-
-    `release(request_id)` is called exactly once for every request id given to `connect`,
-    `send_layer`, `finish` or `abort`, when its transfer reaches any terminal state: the
-    source blocks are then no longer read and may be freed.
-    """
+    """Prefill side of every backend; thread-safe. `release(request_id)` runs exactly once
+    for every request id given to `connect`, `send_layer`, `finish` or `abort`, when its
+    transfer ends (in any state): the source blocks are then unread and may be freed."""
 
     def __init__(
         self,
@@ -126,25 +122,13 @@ class Sender:
         options: TransferOptions = TransferOptions(),
     ) -> None:
         """Called by `create_sender` once per prefill replica; starts the worker thread."""
-        self.backend = writing.backend
-        self.spec = spec
-        self.layout = KVLayout.from_spec(spec, model_id)
-        self.options = options
-        self._writing = writing
-        self._table = TransferTable(
-            release, release_on_done=True, tombstone_ttl_s=options.tombstone_ttl_s
-        )
+        self.backend, self.spec, self.options = writing.backend, spec, options
+        self.layout, self._writing = KVLayout.from_spec(spec, model_id), writing
+        self._table = TransferTable(release, release_on_done=True, ttl_s=options.tombstone_ttl_s)
+        self._ep = Endpoint("sender", writing.backend, options, self._table, self._terminate)
         self._records_lock = threading.Lock()
-        self._closed = False
-        self._close_lock = threading.Lock()
         self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
-        self._connections: dict[str, Connection] = {}
-        self._connections_lock = threading.Lock()
-        self._reaper = Reaper(f"kv-{self.backend}-send-reaper", options.reap_interval_s, self._reap)
-        self._worker = threading.Thread(
-            target=self._work, name=f"kv-{self.backend}-send", daemon=True
-        )
-        self._worker.start()
+        self._worker = self._ep.start("worker", self._work)
 
     def __enter__(self) -> Sender:
         return self
@@ -152,32 +136,19 @@ class Sender:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # -- called by prefill ------------------------------------------------------------------
-
     def connect(self, ticket: Ticket, timeout_s: float) -> None:
-        """Called by prefill when a ticket arrives, before computing.
-
-        Registers the transfer, performs the handshake and binds it at the receiver now
-        (so the first layer is written without a round trip), and raises
-        `KVLayoutMismatchError`, `StaleEpochError`, `AuthenticationError` (the receiver
-        and we do not share the secret) or `PeerLostError` instead of failing later; the
-        transfer then ended FAILED and `release` follows as for any end. After a
-        successful connect an `abort` reaches the receiver even before the first layer.
-        Frees nothing.
-        """
-        record = self._record(ticket)
-        if record is None:  # refused on the spot (layout) or already ended
+        """Called by prefill when a ticket arrives, before computing: registers the
+        transfer, handshakes and binds it at the receiver now (the first layer then goes
+        without a round trip). A refusal (`KVLayoutMismatchError`, `StaleEpochError`,
+        `AuthenticationError`, `PeerLostError`) is raised here and ends the transfer."""
+        if (record := self._record(ticket)) is None:  # refused (layout) or already ended
             ended = self._table.require(ticket.request_id)
             raise ended.error or KVTransferError(f"transfer is {ended.state.value}")
         try:
             conn = self._connection(ticket.endpoint, min(timeout_s, ticket.seconds_left()))
             self._begin(conn, record, ticket)
-        except RejectedError as exc:
-            self._terminate(ticket.request_id, exc.state, exc.cause)
-            raise exc.cause from None
         except KVTransferError as exc:
-            self._terminate(ticket.request_id, TransferState.FAILED, exc)
-            raise
+            raise self._fail(ticket, exc) from None
 
     def send_layer(
         self,
@@ -187,50 +158,38 @@ class Sender:
         v_cache: torch.Tensor,
         src_block_ids: BlockIds,
     ) -> None:
-        """Called by the prefill model runner right after layer `layer` is computed.
-
-        `k_cache`/`v_cache` are that layer's `[num_blocks, block_size, kv_heads, head_dim]`
-        caches and `src_block_ids` the request's blocks there, in the ticket's order.
-        Returns at once (the worker thread moves the layer, overlapping the next layer's
-        compute); the source blocks must stay untouched until `release`. Raises ValueError
-        only for caller bugs (shapes, layer index); transfer problems end it FAILED.
-        """
-        if self._closed:
+        """Called by the prefill model runner right after layer `layer` is computed, with
+        that layer's caches and the request's blocks in the ticket's order. Returns at once
+        (the worker moves the layer during the next layer's compute); the blocks must stay
+        untouched until `release`. ValueError: a caller bug; transfer problems end it."""
+        if self._ep.closed:
             raise RuntimeError("sender is closed")
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.spec.num_layers})")
-        expected = (self.spec.num_blocks, *self.spec.block_shape)
+        shape, dtype = (self.spec.num_blocks, *self.spec.block_shape), self.spec.torch_dtype
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if tuple(t.shape) != expected or t.dtype != self.spec.torch_dtype:
-                raise ValueError(
-                    f"{name} is {tuple(t.shape)}/{t.dtype}, expected {expected}/"
-                    f"{self.spec.torch_dtype}"
-                )
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (one layer of a paged cache)")
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name} is {tuple(t.shape)}/{t.dtype}, not {shape}/{dtype}")
         if len(src_block_ids) != ticket.num_blocks:
-            raise ValueError(
-                f"{len(src_block_ids)} source blocks for a ticket of {ticket.num_blocks}"
-            )
+            raise ValueError(f"{len(src_block_ids)} source blocks, ticket {ticket.num_blocks}")
         if self._record(ticket) is not None:  # else the transfer already ended
-            src_ids = as_id_array(src_block_ids)
-            ready = self._writing.ready(k_cache)
-            self._queue.put(LayerItem(ticket, layer, k_cache, v_cache, src_ids, ready))
+            ids, ready = as_id_array(src_block_ids), self._writing.ready(k_cache)
+            self._queue.put(LayerItem(ticket, layer, k_cache, v_cache, ids, ready))
 
     def finish(self, ticket: Ticket) -> None:
         """Called by prefill after the last `send_layer`; non-blocking. The transfer turns
         DONE when the receiver confirms every layer; `release` follows."""
-        if self._closed:
+        if self._ep.closed:
             raise RuntimeError("sender is closed")
         if self._record(ticket) is not None:
             self._queue.put(LayerItem(ticket, FINISH_ITEM))
 
     def poll(self, request_id: str) -> TransferState:
-        """Sender's view of the transfer; never blocks, frees nothing."""
+        """Called by prefill: the transfer's state; never blocks, frees nothing."""
         return self._table.require(request_id).state
 
     def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        """Block up to `timeout_s` for a terminal state; frees nothing."""
+        """Called by prefill: block up to `timeout_s` for a terminal state; frees nothing."""
         return self._table.wait(request_id, timeout_s)
 
     def error(self, request_id: str) -> KVTransferError | None:
@@ -239,106 +198,68 @@ class Sender:
 
     def abort(self, request_id: str) -> None:
         """Called by prefill on cancellation or error; idempotent, safe at any moment.
-
-        Stops writing, tells the receiver (which then releases its blocks) and releases the
-        source blocks.
-        """
+        Stops writing, tells the receiver (which releases its blocks), releases ours."""
         error = TransferAbortedError("aborted by prefill")
         self._terminate(request_id, TransferState.ABORTED, error)
 
     def serving_problem(self) -> str | None:
         """Called by the replica's health check: why no layer can be sent now, or None."""
-        if self._closed:
-            return "sender closed"
-        if not self._reaper.is_alive:
-            return "sender reaper thread died"
-        if not self._worker.is_alive():
-            return "sender thread died: no layer can be sent"
-        return None
+        return self._ep.problem({"worker": self._worker})
 
     def close(self) -> None:
         """Called once at replica shutdown: aborts open transfers (releasing their source
         blocks), stops the threads and closes connections. Idempotent."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-        for record in self._table.open_records():
-            error = TransferAbortedError("sender closed")
-            self._terminate(record.request_id, TransferState.ABORTED, error)
-        self._reaper.stop()
-        self._queue.put(None)
-        self._worker.join(timeout=5.0)
-        with self._connections_lock:
-            connections = list(self._connections.values())
-        for conn in connections:
-            conn.fs.close()
-        for conn in connections:
-            if conn.thread is not None and conn.thread is not threading.current_thread():
-                conn.thread.join(timeout=5.0)
-
-    # -- records ---------------------------------------------------------------------------
+        if self._ep.begin_close():
+            self._queue.put(None)
+            self._ep.end_close(self._worker)
 
     def _record(self, ticket: Ticket) -> TransferRecord | None:
         """The live record serving `ticket`, created on first use; None once it is terminal."""
-        failure: KVTransferError | None = None
         with self._records_lock:
             record = self._table.get(ticket.request_id)
-            if record is not None and (record.ticket is None or record.ticket == ticket):
+            if record is not None and record.ticket in (None, ticket):
                 return None if record.state.is_terminal else record
             if record is not None and not record.state.is_terminal:
-                raise ValueError(
-                    f"request {ticket.request_id!r} already has an open transfer "
-                    "under another ticket"
-                )
+                raise ValueError(f"{ticket.request_id!r} has an open transfer, another ticket")
             record = TransferRecord(ticket.request_id, ticket.block_ids, ticket.expires_at, ticket)
             self._table.add(record)
-            diffs = self.layout.differences(ticket.layout)
-            if diffs:
-                failure = KVLayoutMismatchError(diffs, "sender", "ticket")
-        if failure is not None:
+        if diffs := self.layout.differences(ticket.layout):
+            failure = KVLayoutMismatchError(diffs, "sender", "ticket")
             self._table.finish(ticket.request_id, TransferState.FAILED, failure)
             return None
         return record
 
+    def _fail(self, ticket: Ticket, exc: KVTransferError) -> KVTransferError:
+        """Sending `ticket` failed with `exc`: end the transfer; the error to report."""
+        state = TransferState.FAILED
+        if isinstance(exc, RejectedError):
+            state, exc = exc.state, exc.cause
+        elif ticket.seconds_left() <= 0:
+            state, exc = TransferState.EXPIRED, TransferExpiredError(str(exc))
+        self._terminate(ticket.request_id, state, exc)
+        return exc
+
     def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
         """End a transfer from this side: stop writing, tell the receiver, release."""
         with self._records_lock:
-            record = self._table.get(request_id)
-            if record is None:
-                tomb = TransferRecord(request_id, (), time.monotonic())
-                self._table.add_terminal(tomb, state, error)
+            if (record := self._table.get(request_id)) is None:  # never seen: a tombstone
+                self._table.add(TransferRecord(request_id, (), math.inf))
+                self._table.finish(request_id, state, error)
                 return
         with record.write_lock:  # wait for an in-flight layer copy into remote blocks
-            ended = self._table.finish(request_id, state, error)
-        if not ended:
-            return
+            if not self._table.finish(request_id, state, error):
+                return
         conn = record.peer
         if conn is None and state is TransferState.ABORTED and record.ticket is not None:
             self._queue.put(LayerItem(record.ticket, ABORT_ITEM))  # tell an unbound receiver
-            return
-        if not isinstance(conn, Connection):
-            return
-        _resolve(conn.pending.get(request_id), RejectedError(state, error))
-        if conn.alive:
-            with contextlib.suppress(PeerLostError):
-                conn.fs.send_json(Kind.ABORT, request_id, error_to_wire(error), layer=state.code)
-
-    def _reap(self) -> None:
-        """Reaper thread: expire overdue transfers, forget old tombstones."""
-        for request_id in self._table.overdue(time.monotonic()):
-            expired = TransferExpiredError("ticket deadline passed")
-            self._terminate(request_id, TransferState.EXPIRED, expired)
-        self._table.sweep()
-
-    # -- worker ----------------------------------------------------------------------------
+        elif isinstance(conn, Connection):
+            _resolve(conn.pending.get(request_id), RejectedError(state, error))
+            if conn.alive:
+                conn.send_abort(request_id, state, error)
 
     def _work(self) -> None:
         backlog: deque[LayerItem | None] = deque()
         while (item := backlog.popleft() if backlog else self._queue.get()) is not None:
-            if item.layer == ABORT_ITEM:
-                self._send_unbound_abort(item.ticket)
-                continue
             batch = [item]
             while item.layer >= 0:  # coalesce the layers of this ticket already queued
                 try:
@@ -349,26 +270,27 @@ class Sender:
                     backlog.appendleft(following)
                     break
                 batch.append(following)
-            record = self._table.get(item.ticket.request_id)
-            if record is None or record.ticket != item.ticket or record.state.is_terminal:
-                continue
             try:
-                self._serve(record, batch)
-            except RejectedError as exc:
-                self._terminate(record.request_id, exc.state, exc.cause)
+                self._serve(batch)
             except KVTransferError as exc:
-                state = TransferState.FAILED
-                if item.ticket.seconds_left() <= 0:
-                    state, exc = TransferState.EXPIRED, TransferExpiredError(str(exc))
-                self._terminate(record.request_id, state, exc)
+                self._fail(item.ticket, exc)
             except Exception as exc:
-                logger.exception("sending %r failed", record.request_id)
-                self._terminate(record.request_id, TransferState.FAILED, KVTransferError(repr(exc)))
+                logger.exception("sending %r failed", item.ticket.request_id)
+                self._fail(item.ticket, KVTransferError(repr(exc)))
 
-    def _serve(self, record: TransferRecord, batch: list[LayerItem]) -> None:
-        item = batch[0]
-        ticket = item.ticket
+    def _serve(self, batch: list[LayerItem]) -> None:
+        item, ticket = batch[0], batch[0].ticket
         timeout_s = min(self.options.connect_timeout_s, ticket.seconds_left())
+        if item.layer == ABORT_ITEM:  # aborted before BEGIN: tell the receiver, best effort
+            if timeout_s > 0:  # else the receiver expires it on its own
+                error = TransferAbortedError("aborted by prefill before sending")
+                with contextlib.suppress(KVTransferError):
+                    conn = self._connection(ticket.endpoint, timeout_s)
+                    conn.send_abort(ticket.request_id, TransferState.ABORTED, error, ticket.epoch)
+            return
+        record = self._table.get(ticket.request_id)
+        if record is None or record.ticket != ticket or record.state.is_terminal:
+            return
         if timeout_s <= 0:
             raise TransferExpiredError("ticket deadline passed before sending")
         conn = self._connection(ticket.endpoint, timeout_s)
@@ -385,20 +307,6 @@ class Sender:
             num_layers = self.spec.num_layers
             conn.fs.send(Kind.FINISH, ticket.request_id, epoch=ticket.epoch, layer=num_layers)
 
-    def _send_unbound_abort(self, ticket: Ticket) -> None:
-        """Tell the receiver about an abort that happened before BEGIN (best effort)."""
-        timeout_s = min(self.options.connect_timeout_s, ticket.seconds_left())
-        if timeout_s <= 0:
-            return  # the receiver expires it on its own
-        error = error_to_wire(TransferAbortedError("aborted by prefill before sending"))
-        code = TransferState.ABORTED.code
-        try:
-            conn = self._connection(ticket.endpoint, timeout_s)
-            conn.fs.send_json(Kind.ABORT, ticket.request_id, error, epoch=ticket.epoch, layer=code)
-        except KVTransferError as exc:
-            rid = ticket.request_id
-            logger.debug("could not tell %s about aborting %r: %s", ticket.endpoint, rid, exc)
-
     def _begin(self, conn: Connection, record: TransferRecord, ticket: Ticket) -> None:
         """Bind the transfer to `conn` (BEGIN) once; every caller waits for the ACCEPT."""
         with self._records_lock:
@@ -406,44 +314,38 @@ class Sender:
             if not isinstance(accepted, Future):
                 if ticket.epoch != conn.epoch:
                     raise StaleEpochError(
-                        f"ticket for {ticket.request_id!r} carries epoch {ticket.epoch} but the "
-                        f"receiver at {ticket.endpoint} is now epoch {conn.epoch} (it "
-                        "restarted); ticket refused"
+                        f"ticket epoch {ticket.epoch} but the receiver "
+                        f"restarted (epoch {conn.epoch}); ticket refused"
                     )
-                accepted = record.cache["accepted"] = Future()
-                conn.pending[ticket.request_id] = accepted
+                accepted = record.cache["accepted"] = conn.pending[ticket.request_id] = Future()
                 if not self._table.bind(record, conn):
                     return  # ended meanwhile
                 conn.fs.send(Kind.BEGIN, ticket.request_id, epoch=ticket.epoch)
         try:
-            wait_s = max(0.0, min(self.options.io_timeout_s, ticket.seconds_left()))
-            accepted.result(timeout=wait_s)
+            accepted.result(timeout=max(0.0, min(self.options.io_timeout_s, ticket.seconds_left())))
         except TimeoutError:
             raise PeerLostError("receiver did not answer BEGIN in time") from None
         finally:
             conn.pending.pop(ticket.request_id, None)
 
-    # -- connections -----------------------------------------------------------------------
-
     def _connection(self, endpoint: str, timeout_s: float) -> Connection:
-        with self._connections_lock:
-            conn = self._connections.get(endpoint)
+        with self._ep.lock:
             now = time.monotonic()
-            if conn is not None and conn.alive:
+            for conn in self._ep.connections:
+                if conn.name != endpoint or not conn.alive:
+                    continue
                 # The receiver closes connections idle for `idle_timeout_s`; replace ours at
                 # half that, so a BEGIN never races its close.
                 stale = now - conn.last_used > self.options.idle_timeout_s / 2
-                if not stale or self._table.records_bound_to(conn):
+                if not stale or self._table.bound_to(conn):
                     conn.last_used = now
                     return conn
                 conn.alive = False
                 conn.fs.close()  # its reader thread drops it
             conn = self._handshake(endpoint, timeout_s)
-            self._connections[endpoint] = conn
-        conn.thread = threading.Thread(
-            target=self._read, args=(conn,), name=f"kv-{self.backend}-send-read", daemon=True
-        )
-        conn.thread.start()
+            self._ep.connections.add(conn)
+        read, drop = lambda: self._ep.read(conn, self._dispatch), lambda: self._drop(conn)
+        conn.thread = self._ep.start("read", self._ep.serve, conn, read, drop)
         return conn
 
     def _handshake(self, endpoint: str, timeout_s: float) -> Connection:
@@ -451,88 +353,62 @@ class Sender:
             sock = self._writing.open(endpoint, timeout_s)
         except OSError as exc:
             raise PeerLostError(f"cannot connect to {endpoint}: {exc}") from exc
-        fs = FrameSocket(sock, self.options.io_timeout_s)
+        conn = Connection(FrameSocket(sock, self.options.io_timeout_s), endpoint)
         try:
-            fs.limit_reads(timeout_s)
-            welcome = auth.sender_handshake(fs, endpoint, self.layout, self.options.secret)
-            fs.limit_reads(None)
-            conn = Connection(fs, endpoint)
-            conn.welcome = welcome
+            conn.fs.limit_reads(timeout_s)
+            secret = self.options.secret
+            conn.welcome = auth.sender_handshake(conn.fs, endpoint, self.layout, secret)
+            conn.fs.limit_reads(None)
             try:
-                remote = welcome["layout"]
-                if not isinstance(remote, dict):
-                    raise TypeError("layout is not an object")
-                layout = KVLayout.from_dict(remote)
-                conn.epoch = int(str(welcome["epoch"]))
-                conn.num_blocks = int(str(welcome["num_blocks"]))
+                layout = KVLayout.from_dict(conn.welcome["layout"])
+                conn.epoch = int(str(conn.welcome["epoch"]))
+                conn.num_blocks = int(str(conn.welcome["num_blocks"]))
             except (TypeError, KeyError, ValueError):
                 raise ProtocolError(f"malformed WELCOME from {endpoint}") from None
             self.layout.check_matches(layout, "sender", "receiver")
             self._writing.welcome(conn)
             return conn
         except BaseException:
-            fs.close()
+            conn.fs.close()
             raise
 
-    def _read(self, conn: Connection) -> None:
-        try:
-            while (header := conn.fs.recv_header()) is not None:
-                self._dispatch(conn, header)
-        except PeerLostError as exc:
-            logger.debug("receiver connection %s lost: %s", conn.name, exc)
-        except Exception:
-            logger.exception("receiver connection %s failed", conn.name)
-        finally:
-            self._drop(conn)
-
     def _dispatch(self, conn: Connection, header: Header) -> None:
-        rid = header.request_id
+        rid, kind = header.request_id, header.kind
         body = conn.fs.recv_json(header) if header.nbytes else {}
-        pending = conn.pending.get(rid)
-        if header.kind is Kind.ACCEPT:
-            _resolve(pending, None)
-        elif header.kind is Kind.REJECT:
-            state = TransferState.from_code(header.layer)
-            _resolve(pending, RejectedError(state, error_from_wire(body, "receiver")))
-        elif header.kind is Kind.ABORT:
-            state = TransferState.from_code(header.layer)
-            error = error_from_wire(body, "receiver")
-            _resolve(pending, RejectedError(state, error))
-            record = self._table.get(rid)
-            if record is not None and record.peer is conn:
-                with record.write_lock:  # our current copy into its blocks completes first
-                    self._table.finish(rid, state, error)
+        if kind is Kind.ACCEPT:
+            return _resolve(conn.pending.get(rid), None)
+        if kind not in (Kind.REJECT, Kind.ABORT, Kind.RESULT):
+            return logger.warning("unexpected %s frame from receiver; ignored", kind.name)
+        state = TransferState.from_code(header.layer)
+        error = error_from_wire(body, "receiver") if body or kind is not Kind.RESULT else None
+        if error is not None and kind is not Kind.RESULT:
+            _resolve(conn.pending.get(rid), RejectedError(state, error))
+        record = self._table.get(rid)
+        if kind is not Kind.REJECT and record is not None and record.peer is conn:
+            with record.write_lock:  # our current copy into its blocks completes first
+                self._table.finish(rid, state, error)
+        if kind is Kind.ABORT:
             conn.fs.send(Kind.ABORT_ACK, rid)
-        elif header.kind is Kind.RESULT:
-            state = TransferState.from_code(header.layer)
-            record = self._table.get(rid)
-            if record is not None and record.peer is conn:
-                self._table.finish(rid, state, error_from_wire(body, "receiver") if body else None)
-        else:
-            logger.warning("unexpected %s frame from receiver; ignored", header.kind.name)
 
     def _drop(self, conn: Connection) -> None:
         conn.alive = False
         lost = PeerLostError(f"connection to receiver {conn.name} lost")
         # Stop writing before closing: the receiver frees the blocks of a live sender's
         # transfers when it sees the connection close (shm: we write its memory).
-        for record in self._table.records_bound_to(conn):
+        for record in self._table.bound_to(conn):
             with record.write_lock:
                 self._table.finish(record.request_id, TransferState.FAILED, lost)
         conn.fs.close()
-        with self._connections_lock:
-            if self._connections.get(conn.name) is conn:
-                del self._connections[conn.name]
+        with self._ep.lock:
+            self._ep.connections.discard(conn)
         for pending in list(conn.pending.values()):
             _resolve(pending, lost)
         self._writing.disconnected(conn)
 
 
 def _resolve(pending: Future[None] | None, error: KVTransferError | None) -> None:
-    if pending is None:
-        return
     with contextlib.suppress(InvalidStateError):
-        if error is None:
+        if pending is not None and error is None:
             pending.set_result(None)
-        else:
+        elif pending is not None:
             pending.set_exception(error)

@@ -1,29 +1,14 @@
 """`shm`: same-host transfer; the prefill process writes straight into decode's KV cache.
 
-Data path: the receiver creates its whole KV cache in a POSIX shared-memory segment
-(`/dev/shm/<name>`); the sender maps the same segment and, per layer, copies the request's
-source blocks into the destination blocks (one copy, see `blockcopy.CopyPlan`).
-
-Control channel: a Unix stream socket in the Linux abstract namespace (`@<name>.ctl`, no
-file to clean up), speaking `wire` frames without payload: HELLO/WELCOME (layout, epoch,
-segment), BEGIN/ACCEPT per transfer before any write, LAYER after each layer is written
-(with its CRC32 when checksums are on), FINISH, ABORT and ABORT_ACK. Because the sender
-writes our memory itself, a transfer ended by the receiver keeps its blocks *fenced* until
-the sender acknowledges that it stopped writing (ABORT_ACK) or its connection drops (it
-finished its transfers first, or died). Cutting the connection would not stop a sender
-process that is stopped (SIGSTOP) mid-copy: it finishes the copy once continued. So when
-no acknowledgement comes within `fence_timeout_s`, the connection stays open and the
-blocks stay *quarantined* until the ABORT_ACK arrives or the sender process, known from
-the kernel (SO_PEERCRED) when it connected, is gone.
-
-Segment ownership: the receiver creates the segment with `SharedMemory(create=True)` so
-its resource tracker unlinks it if the process dies, maps it through torch (the mapping
-lives as long as any tensor over it) and unlinks it on close(). If the tracker died too
-(a killed process group), the next receiver on the host sweeps segments named after a
-dead pid (`pdkv-<pid>-<random>`) that nobody serves. The sender never uses
-`SharedMemory` (whose resource tracker would unlink a segment it does not own at exit);
-it maps the existing `/dev/shm/<name>` (`map_segment`: never created, size and owner
-checked) and pre-faults the mapping once.
+The receiver creates its whole cache in a POSIX shared-memory segment (`/dev/shm/pdkv-*`,
+unlinked on close, by its resource tracker if it dies, or by the next receiver's sweep of
+dead owners); the sender maps it (`map_segment`: never creates one) and copies each layer's
+blocks there (`kernels.rowcopy`: streaming stores, all queued layers in one native call,
+for large transfers). Control runs over an abstract Unix socket, frames without payload.
+The sender writes our memory itself: an ended transfer's blocks stay fenced until its
+ABORT_ACK or its connection drops, and past the fence timeout quarantined until the
+ABORT_ACK or its process (SO_PEERCRED) is gone: cutting the connection would not stop a
+SIGSTOPped process mid-copy.
 """
 
 from __future__ import annotations
@@ -43,22 +28,23 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import ntcopy
+from kernels import rowcopy
+from kernels.rowcopy import CopyPlan, block_rows
 from kvtransfer.base import (
     BackendUnavailableError,
     ChecksumMismatchError,
     KVTransferError,
     PeerLostError,
 )
-from kvtransfer.blockcopy import CopyPlan, block_rows, cache_rows, layer_crc
-from kvtransfer.sender import LayerItem
+from kvtransfer.payload import cache_rows, crc32, id_runs, layer_views
+from kvtransfer.receiver import Landing
+from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header, Kind
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdkv-"
 _SEGMENT_NAME = re.compile(r"pdkv-[A-Za-z0-9._-]{1,200}")
-PAGE_BYTES = 4096
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: map pages writable without touching their bytes
 
 
@@ -69,109 +55,56 @@ def _require_shm() -> None:
         )
 
 
-def _control_address(segment: str) -> str:
-    return f"\0{segment}.ctl"
-
-
-def _segment_of(endpoint: str) -> str:
-    if not endpoint.startswith("shm://"):
-        raise ValueError(f"not an shm endpoint: {endpoint!r}")
-    return endpoint.removeprefix("shm://")
+def _control_socket(endpoint_or_segment: str) -> str:
+    return f"\0{endpoint_or_segment.removeprefix('shm://')}.ctl"
 
 
 def _is_served(segment: str) -> bool:
     """Whether a live receiver listens on the segment's control socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
-        try:
-            probe.connect(_control_address(segment))
-            return True
-        except OSError:
-            return False
+        return probe.connect_ex(_control_socket(segment)) == 0
 
 
-def _create_segment(segment: str, nbytes: int) -> SharedMemory:
-    """Create `segment`; a leftover of the same name that nobody serves is replaced."""
-    try:
-        return SharedMemory(name=segment, create=True, size=nbytes)
-    except FileExistsError:
-        if _is_served(segment):
-            raise ValueError(f"shm segment {segment} is in use by a live receiver") from None
-        os.unlink(os.path.join(SHM_DIR, segment))
-        return SharedMemory(name=segment, create=True, size=nbytes)
+def list_segments() -> list[str]:
+    """Names of pdserve KV segments currently in /dev/shm (leak checks in tests/ops)."""
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
+    return []
 
 
-def sweep_orphans() -> list[str]:
-    """Unlink default-named segments whose owner process is gone (killed receivers).
-
-    Default names are `pdkv-<owner pid>-<random>`; a segment is removed only when that pid
-    no longer exists and nobody serves its control socket. Returns the names removed.
-    """
-    removed = []
+def sweep_orphans() -> None:
+    """Unlink default-named segments whose owner pid is gone and that nobody serves."""
     for segment in list_segments():
-        pid_text = segment.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
-        if not pid_text.isdigit() or _pid_alive(int(pid_text)) or _is_served(segment):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, segment))
-            removed.append(segment)
-    return removed
+        pid = segment.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and _start_time(int(pid)) is None and not _is_served(segment):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, segment))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class PeerProcess:
-    """The process at the other end of a Unix socket, as the kernel names it (SO_PEERCRED).
-
-    Remembers the pid's start time too, so a recycled pid does not pass for the peer.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        self.pid, self.uid, self.gid = struct.unpack("3i", creds)
-        # pid 0: the peer lives in a pid namespace we cannot see; nothing to watch then
-        self._start_time = _process_start_time(self.pid) if self.pid > 0 else None
-
-    def is_running(self) -> bool:
-        """Whether the peer process may still execute (a stopped process counts as running)."""
-        if self._start_time is None:
-            return False
-        return _process_start_time(self.pid) == self._start_time
-
-
-def _process_start_time(pid: int) -> str | None:
+def _start_time(pid: int) -> str | None:
     """Field 22 of /proc/<pid>/stat; None once the process exited (zombies included)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
-    if fields[0] in ("Z", "X"):  # exited, waiting to be reaped: it writes nothing any more
-        return None
-    return fields[19]
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie writes nothing
 
 
-def prefault_writable(flat: torch.Tensor) -> None:
-    """Map every page of a shared mapping writable now, without changing a byte.
+class PeerProcess:
+    """The process at the other end of a Unix socket, as the kernel names it (SO_PEERCRED),
+    with its start time, so a recycled pid does not pass for the peer."""
 
-    Measured on the 8192-token benchmark: the sender's block copies run ~1.5x faster into
-    pages populated this way than into pages first mapped by reading them (the fallback,
-    for kernels before 5.14). The memory is shared, so it must not be written here.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = flat.data_ptr() & ~(PAGE_BYTES - 1)
-    length = flat.data_ptr() + flat.numel() * flat.element_size() - start
-    if libc.madvise(start, length, MADV_POPULATE_WRITE) != 0:
-        int(flat.view(torch.uint8)[::PAGE_BYTES].sum())
+    def __init__(self, sock: socket.socket) -> None:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        self.pid, self.uid, self.gid = struct.unpack("3i", creds)
+        # pid 0: the peer lives in a pid namespace we cannot see; nothing to watch then
+        self._start_time = _start_time(self.pid) if self.pid > 0 else None
+
+    def is_running(self) -> bool:
+        """Whether the peer process may still execute (a stopped process counts as running)."""
+        return self._start_time is not None and _start_time(self.pid) == self._start_time
 
 
 def map_segment(segment: str, nbytes: int) -> torch.Tensor:
@@ -197,7 +130,19 @@ def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until freed
 
 
-class ShmLanding:
+def prefault_writable(flat: torch.Tensor) -> None:
+    """Map every page of a shared mapping writable now, without changing a byte: block
+    copies run ~1.5x faster into pages populated so than into pages first mapped by
+    reading them (the fallback, before Linux 5.14; shared memory must not be written)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = flat.data_ptr() & ~4095
+    length = flat.data_ptr() + flat.numel() - start
+    if libc.madvise(start, length, MADV_POPULATE_WRITE) != 0:
+        int(flat[::4096].sum())
+
+
+class ShmLanding(Landing):
     """Receiving data path: owns the shared-memory KV cache; see the module docstring."""
 
     backend = "shm"
@@ -208,7 +153,15 @@ class ShmLanding:
         sweep_orphans()
         self.segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
         self.endpoint = f"shm://{self.segment}"
-        owner = _create_segment(self.segment, max(spec.total_bytes, 1))
+        try:
+            owner = SharedMemory(self.segment, create=True, size=max(spec.total_bytes, 1))
+        except FileExistsError:  # a leftover nobody serves is replaced
+            if _is_served(self.segment):
+                raise ValueError(
+                    f"shm segment {self.segment} is in use by a live receiver"
+                ) from None
+            os.unlink(os.path.join(SHM_DIR, self.segment))
+            owner = SharedMemory(self.segment, create=True, size=max(spec.total_bytes, 1))
         owner.close()  # keep the name (and the tracker registration); torch maps it below
         self._owner: SharedMemory | None = owner
         try:
@@ -217,7 +170,7 @@ class ShmLanding:
             self.kv_cache = KVCache(spec, flat.view(spec.torch_dtype).view(spec.flat_shape))
             self._rows = cache_rows(self.kv_cache)
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.listener.bind(_control_address(self.segment))
+            self.listener.bind(_control_socket(self.segment))
             self.listener.listen(64)
         except BaseException:
             self.close()
@@ -229,36 +182,23 @@ class ShmLanding:
     def connected(self, conn: Connection) -> None:
         conn.state["process"] = PeerProcess(conn.fs.sock)
 
-    def payload_bytes(self, num_blocks: int) -> int:
-        return 0  # the sender wrote the blocks already
-
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
         """The layer is in place; with checksums on, verify what the blocks now hold."""
         if not header.has_crc:
             return
-        ids = record.cache.get("dst_ids")
-        if not isinstance(ids, np.ndarray):
-            ids = record.cache["dst_ids"] = np.asarray(record.block_ids, dtype=np.int64)
-        crc = layer_crc(self._rows[header.layer, 0], self._rows[header.layer, 1], ids)
-        if crc != header.crc:
+        if not isinstance(runs := record.cache.get("runs"), list):
+            runs = record.cache["runs"] = id_runs(record.block_ids)
+        rows = self._rows[header.layer]
+        if (crc := crc32(layer_views(rows[0], rows[1], runs))) != header.crc:
             raise ChecksumMismatchError(
                 f"layer {header.layer} of {record.request_id!r}: crc32 {crc:#010x} in "
                 f"the destination blocks, sender computed {header.crc:#010x}"
             )
 
-    def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
-        conn.fs.discard(header.nbytes)
-
-    def fence(self) -> None:
-        pass  # the sender's writes are fenced by its ABORT_ACK or its death
-
     def writer_running(self, conn: Connection) -> bool:
         """Whether the sender process, known from the kernel when it connected, still runs."""
         process = conn.state.get("process")
         return isinstance(process, PeerProcess) and process.is_running()
-
-    def disconnected(self, conn: Connection) -> None:
-        pass
 
     def close(self) -> None:
         """Unlink the segment; the memory itself goes when the last mapping does."""
@@ -268,7 +208,7 @@ class ShmLanding:
                 owner.unlink()
 
 
-class ShmWriting:
+class ShmWriting(Writing):
     """Sending data path: copies layers into a receiver's mapped segment."""
 
     backend = "shm"
@@ -281,7 +221,7 @@ class ShmWriting:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
-            sock.connect(_control_address(_segment_of(endpoint)))
+            sock.connect(_control_socket(endpoint))
         except BaseException:
             sock.close()
             raise
@@ -289,26 +229,19 @@ class ShmWriting:
 
     def welcome(self, conn: Connection) -> None:
         """Map the receiver's segment (checked: ours, the size its WELCOME implies)."""
-        segment = conn.welcome.get("segment")
-        if segment != _segment_of(conn.name):
+        segment, nbytes = conn.welcome.get("segment"), conn.welcome.get("total_bytes")
+        if f"shm://{segment}" != conn.name:
             raise PeerLostError(f"receiver at {conn.name} serves segment {segment!r}")
-        nbytes = int(str(conn.welcome["total_bytes"]))
-        expected = conn.num_blocks * self.spec.bytes_per_block
-        if nbytes != expected:
-            raise PeerLostError(f"segment of {nbytes} bytes, expected {expected}")
+        if not isinstance(nbytes, int) or nbytes != conn.num_blocks * self.spec.bytes_per_block:
+            raise PeerLostError(f"segment of {nbytes} bytes, expected {conn.num_blocks} blocks")
         try:
             flat = map_segment(str(segment), nbytes)
         except FileNotFoundError:
-            raise PeerLostError(
-                f"receiver at {conn.name} has no shm segment {segment!r} (not created here)"
-            ) from None
+            raise PeerLostError(f"receiver at {conn.name} has no shm segment {segment!r}") from None
         except (OSError, ValueError) as exc:
             raise PeerLostError(f"cannot map {segment}: {exc}") from exc
         prefault_writable(flat)  # once per connection, off the transfer's critical path
         conn.state["rows"] = flat.numpy().reshape(self.spec.num_layers, 2, conn.num_blocks, -1)
-
-    def ready(self, k_cache: torch.Tensor) -> object | None:
-        return None
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
@@ -318,17 +251,17 @@ class ShmWriting:
         rows = conn.state["rows"]
         assert isinstance(rows, np.ndarray)
         plan, streaming = self.plan(conn, record, items[0])
-        crcs: list[int | None] = []
+        sources = [(block_rows(i.k_cache), block_rows(i.v_cache), i.layer) for i in items]  # type: ignore[arg-type]
         with record.write_lock:
             if record.state.is_terminal:
                 return
             if streaming:
-                pairs = []
-                for item in items:
-                    assert item.k_cache is not None and item.v_cache is not None
-                    for kv, cache in enumerate((item.k_cache, item.v_cache)):
-                        pairs.append((cache.data_ptr(), rows[item.layer, kv].ctypes.data))
-                ntcopy.copy_rows_many(
+                pairs = [
+                    (src.ctypes.data, rows[layer, kv].ctypes.data)
+                    for k, v, layer in sources
+                    for kv, src in enumerate((k, v))
+                ]
+                rowcopy.copy_rows_many(
                     pairs,
                     plan.src_ids,
                     plan.dst_ids,
@@ -336,16 +269,14 @@ class ShmWriting:
                     src_num_rows=self.spec.num_blocks,
                     dst_num_rows=conn.num_blocks,
                 )
-            for item in items:
-                assert item.k_cache is not None and item.v_cache is not None
-                src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
-                if not streaming:
-                    plan.copy(src_k, rows[item.layer, 0])
-                    plan.copy(src_v, rows[item.layer, 1])
-                crcs.append(layer_crc(src_k, src_v, plan.src_ids) if checksum else None)
-        for item, crc in zip(items, crcs, strict=True):
+            else:
+                for k, v, layer in sources:
+                    plan.copy(k, rows[layer, 0])
+                    plan.copy(v, rows[layer, 1])
+        for k, v, layer in sources:
+            crc = crc32(layer_views(k, v, record.cache["runs"])) if checksum else None  # type: ignore[arg-type]
             conn.fs.send(
-                Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=item.layer, crc=crc
+                Kind.LAYER, record.request_id, epoch=items[0].ticket.epoch, layer=layer, crc=crc
             )
 
     def plan(
@@ -353,27 +284,21 @@ class ShmWriting:
     ) -> tuple[CopyPlan, bool]:
         """The transfer's copy plan (built on its first layer, ids checked) and whether to
         copy with streaming stores."""
-        plan = record.cache.get("plan")
-        if not isinstance(plan, CopyPlan):
+        if not isinstance(plan := record.cache.get("plan"), CopyPlan):
             assert item.src_ids is not None
             dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
             if int(dst_ids.max()) >= conn.num_blocks:
                 raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
             if int(item.src_ids.min()) < 0 or int(item.src_ids.max()) >= self.spec.num_blocks:
                 raise KVTransferError(f"source block ids outside [0, {self.spec.num_blocks})")
-            plan = CopyPlan.build(item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer)
-            record.cache["plan"] = plan
-            transfer_bytes = len(dst_ids) * self.spec.bytes_per_block
-            record.cache["streaming"] = ntcopy.worth_streaming(transfer_bytes)
+            plan = record.cache["plan"] = CopyPlan.build(
+                item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer
+            )
+            record.cache["runs"] = id_runs(item.src_ids)
+            record.cache["streaming"] = rowcopy.worth_streaming(
+                len(dst_ids) * self.spec.bytes_per_block
+            )
         return plan, record.cache["streaming"] is True
 
     def disconnected(self, conn: Connection) -> None:
         conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views
-
-
-def list_segments() -> list[str]:
-    """Names of pdserve KV segments currently in /dev/shm (leak checks in tests/ops)."""
-    try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SEGMENT_PREFIX))
-    except FileNotFoundError:
-        return []

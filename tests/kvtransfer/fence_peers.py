@@ -18,9 +18,9 @@ import numpy as np
 from kvt_peers import source_cache
 
 from engine.kv_cache import KVCacheSpec
+from kernels.rowcopy import block_rows
 from kvtransfer import TransferOptions
 from kvtransfer.base import Ticket
-from kvtransfer.blockcopy import block_rows
 from kvtransfer.sender import LayerItem, Sender
 from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord

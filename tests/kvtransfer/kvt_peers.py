@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
+from kernels.rowcopy import block_rows
 from kvtransfer import (
     KVTransferError,
     Receiver,
@@ -33,7 +34,7 @@ from kvtransfer import (
     create_sender,
 )
 from kvtransfer.base import Ticket
-from kvtransfer.blockcopy import block_rows, layer_crc
+from kvtransfer.payload import layer_crc
 from kvtransfer.sender import LayerItem, Sender
 from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import resource
 import socket
@@ -42,7 +41,6 @@ from kvtransfer import (
     auth,
     create_receiver,
     create_sender,
-    ntcopy,
 )
 from kvtransfer.base import AuthenticationError, KVLayout, ProtocolError, Ticket
 from kvtransfer.shm import SHM_DIR, map_segment
@@ -54,18 +52,6 @@ pytestmark = pytest.mark.timeout(90)
 SECRET = "0123456789abcdef" * 4
 AUTHED = dataclasses.replace(FAST, secret=SECRET)
 _HEADER = struct.Struct("<IBBHIQQI")
-
-
-def copy_rows(src: np.ndarray, dst: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
-    """`dst[dst_ids] = src[src_ids]` for two `[rows, bytes]` matrices, with streaming stores."""
-    ntcopy.copy_rows_many(
-        [(src.ctypes.data, dst.ctypes.data)],
-        src_ids,
-        dst_ids,
-        row_bytes=src.shape[1],
-        src_num_rows=src.shape[0],
-        dst_num_rows=dst.shape[0],
-    )
 
 
 def receiver_with(
@@ -481,49 +467,3 @@ def test_shm_sender_to_a_missing_segment_fails_and_creates_nothing() -> None:
         assert not os.path.exists(os.path.join(SHM_DIR, name))
     finally:
         listener.close()
-
-
-# -- the compiled copy helper -----------------------------------------------------------
-
-
-@pytest.fixture
-def private_cache(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """ntcopy's cache moved to a fresh directory; the real one is back afterwards."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    ntcopy._library.cache_clear()
-    yield os.path.join(str(tmp_path), "pdserve")
-    monkeypatch.undo()
-    ntcopy._library.cache_clear()
-
-
-def test_ntcopy_refuses_a_tampered_or_writable_library(
-    private_cache: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    if not ntcopy.available():
-        pytest.skip("no C compiler: the helper is never built")
-    assert os.stat(private_cache).st_mode & 0o077 == 0
-    (library,) = [n for n in os.listdir(private_cache) if n.endswith(".so")]
-    path = os.path.join(private_cache, library)
-
-    def loads() -> bool:
-        ntcopy._library.cache_clear()
-        return ntcopy.available()
-
-    caplog.set_level(logging.WARNING, logger="kvtransfer.ntcopy")
-    os.chmod(path, 0o722)  # group/world writable
-    assert not loads() and "writable by others" in caplog.text
-    os.chmod(path, 0o700)
-    assert loads()
-    with open(path, "ab") as f:  # changed after it was built
-        f.write(b"\0")
-    assert not loads() and "does not match the hash" in caplog.text
-    os.unlink(path)  # a missing library is rebuilt (and recorded) afresh
-    assert loads()
-    os.chmod(private_cache, 0o777)
-    assert not loads()
-    os.chmod(private_cache, 0o700)
-    assert loads()
-    src = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
-    dst = np.zeros_like(src)
-    copy_rows(src, dst, np.array([3, 0], np.int64), np.array([1, 2], np.int64))
-    assert np.array_equal(dst[1], src[3]) and np.array_equal(dst[2], src[0])

@@ -238,7 +238,7 @@ def test_close_aborts_open_transfers_and_releases_their_blocks(backend: str) -> 
 
 
 def test_factory_knows_every_backend() -> None:
-    assert available_backends() == ["nccl", "shm", "tcp"]
+    assert available_backends() == ["cuda_ipc", "nccl", "shm", "tcp"]
     with pytest.raises(ValueError, match="unknown KV transfer backend"):
         create_receiver("carrier-pigeon", spec(4), model_id="m", release=lambda r: None)
     with pytest.raises(ValueError, match="shared memory"):

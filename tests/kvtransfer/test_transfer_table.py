@@ -117,7 +117,7 @@ def test_release_waits_for_the_local_writer() -> None:
 
 def test_overdue_wait_and_tombstones() -> None:
     released: list[str] = []
-    t = table(released, on_done=False, tombstone_ttl_s=0.05)
+    t = table(released, on_done=False, ttl_s=0.05)
     t.add(record("late", deadline=time.monotonic() - 1))
     t.add(record("fine"))
     assert t.overdue(time.monotonic()) == ["late"]
@@ -183,7 +183,7 @@ def test_fence_timeout_quarantines_until_unfenced_when_the_writer_may_still_run(
     t.sweep(lambda r: False)
     t.sweep(lambda r: False)
     assert released == [] and rec.quarantined and rec.fenced
-    assert t.quarantined_records() == [rec]
+    assert t.records(lambda r: r.quarantined) == [rec]
     assert t.counts() == {"num_open": 0, "num_fenced": 1, "num_quarantined": 1}
     with pytest.raises(ValueError):
         t.add(record())  # the id stays taken while its blocks are quarantined

@@ -107,6 +107,6 @@ def test_many_buffers_out_and_scattered_in(pair: tuple[FrameSocket, FrameSocket]
     assert header is not None and header.nbytes == data.nbytes
     out = np.zeros_like(data)
     cuts_in = np.sort(rng.choice(np.arange(1, data.size), size=1700, replace=False))
-    right.recv_views([p.data for p in np.split(out, cuts_in)])
+    right.recv_into(*[p.data for p in np.split(out, cuts_in)])
     sender.join()
     assert np.array_equal(out, data)

@@ -1,22 +1,24 @@
-"""Block-row copies with non-temporal (streaming) stores, for KV blocks bound elsewhere.
+"""Copying rows of byte matrices (KV blocks) between caches on the CPU: few calls, no GIL.
 
-Why: glibc's memcpy switches to streaming stores only for copies of tens of MiB; a KV
-block (12 KiB for a 135M model) is copied with ordinary stores, which first read every
-destination line into the cache (read-for-ownership) and then evict it: about half a
-large memcpy's bandwidth on the machines we measured. Blocks written into another
-process's cache (shm) or landed from the network (tcp) are not read again by this core,
-so streaming stores are the right tool. `copy_rows_many` does the gathers/scatters of
-several layers in one call (GIL released), with AVX-512 streaming stores where the CPU
-has them (up to 4 pages of a block streamed side by side, like glibc's large memcpy),
-SSE2 otherwise, and plain memcpy off x86.
+A layer's K (or V) cache `[num_blocks, block_size, kv_heads, head_dim]` is viewed as a numpy
+`[num_blocks, bytes_per_block]` uint8 matrix (`block_rows`, any dtype). Two ways to copy
+rows `src_ids[i] -> dst_ids[i]`:
 
-The ~40-line C helper below is compiled on first use with the system C compiler (the
-one Triton also needs) into a private directory (`~/.cache/pdserve`, else
-`<tmp>/pdserve-<uid>`; created mode 0700), and the SHA-256 of the built library is
-recorded beside it. Before loading, the directory and the library must be owned by us and
-writable by nobody else, and the library's hash must match the record: code someone else
-could have swapped in is never loaded. Without a compiler, or when a check fails (logged
-once), `available()` is False and callers fall back to numpy row copies.
+- `CopyPlan` (the reference, plain numpy: one memcpy per row or run, GIL released; built
+  once per id pair since a transfer's ids are the same for every layer): runs where both
+  ids advance by one become slice copies, a contiguous side one fancy-index scatter or
+  gather, ids random on both sides go through L2-sized chunks;
+- `copy_rows_many` (the optimized kernel): a ~40-line C helper with non-temporal stores
+  (AVX-512, SSE2, plain memcpy off x86) that copies several matrices in one call. glibc's
+  memcpy streams only copies of tens of MiB; a KV block written for another process is
+  not read again by this core, so ordinary stores waste half the bandwidth on
+  read-for-ownership. Large transfers use it (`worth_streaming`).
+
+The helper is compiled on first use with the system C compiler into a private directory
+(`~/.cache/pdserve`, else `<tmp>/pdserve-<uid>`, mode 0700) with the SHA-256 of the built
+library recorded beside it; it is loaded only when the directory and library are ours,
+writable by nobody else, and the hash matches. Otherwise (or without a compiler; logged
+once) `available()` is False and callers use `CopyPlan`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,109 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
-# Below this many bytes per transfer the written blocks may well still be in the last-level
-# cache when the decode side reads them, and per-call overhead dominates: keep ordinary
-# stores there. Above it streaming stores win (measured: 512-token transfers of a 135M model,
-# 24 MB, copy ~1.7x faster with them).
+STAGING_BYTES = 256 * 1024  # chunk of the two-sided path: fits in L2 on current CPUs
+MIN_MEAN_RUN = 4  # blocks per run below which per-run slice copies lose to fancy indexing
+# Below this many bytes per transfer the blocks may still be in the last-level cache when
+# decode reads them, and per-call overhead dominates. Measured: 512-token transfers of a
+# 135M model (24 MB) copy ~1.7x faster with streaming stores.
 STREAMING_MIN_BYTES = 4 * 1024 * 1024
+
+
+def block_rows(cache: torch.Tensor) -> np.ndarray:
+    """`[num_blocks, bytes_per_block]` uint8 view (no copy) of one contiguous CPU layer cache."""
+    if cache.device.type != "cpu" or not cache.is_contiguous():
+        raise ValueError(f"expected a contiguous CPU layer cache, got one on {cache.device}")
+    return cache.view(torch.uint8).reshape(cache.shape[0], -1).numpy()
+
+
+def as_id_array(block_ids: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
+    """Block ids as a contiguous 1-D int64 numpy array."""
+    if isinstance(block_ids, torch.Tensor):
+        block_ids = block_ids.detach().to("cpu", torch.int64).numpy()
+    return np.ascontiguousarray(np.asarray(block_ids, dtype=np.int64).reshape(-1))
+
+
+def contiguous_runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs of consecutive ids, as `(index of the run's first id, length)`."""
+    return [(s, k) for s, _, k in _runs(ids, ids)]
+
+
+def matched_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs where both sides advance by one, as `(src_start_id, dst_start_id, length)`."""
+    return [(int(src_ids[s]), int(dst_ids[s]), k) for s, _, k in _runs(src_ids, dst_ids)]
+
+
+def _runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int]]:
+    """`(start index, end index, length)` of the maximal runs where both advance by one."""
+    if len(a) == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    bounds = np.concatenate(([0], breaks, [len(a)])).tolist()
+    return [(s, e, e - s) for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """How to copy rows `src_ids[i] -> dst_ids[i]` for every i; see the module docstring."""
+
+    kind: str  # "slices" | "scatter" | "gather" | "staged"
+    slices: tuple[tuple[int, int, int], ...] = ()  # (src_start, dst_start, length)
+    src_index: tuple[np.ndarray, ...] = ()  # per step: source ids (gather/staged)
+    dst_index: tuple[np.ndarray, ...] = ()  # per step: destination ids (scatter/staged)
+    src_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    dst_ids: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    @classmethod
+    def build(
+        cls,
+        src_ids: Sequence[int] | torch.Tensor | np.ndarray,
+        dst_ids: Sequence[int] | torch.Tensor | np.ndarray,
+        row_bytes: int,
+    ) -> CopyPlan:
+        src, dst = as_id_array(src_ids), as_id_array(dst_ids)
+        if src.shape != dst.shape:
+            raise ValueError(f"{len(src)} source ids but {len(dst)} destination ids")
+        n, runs = len(src), matched_runs(src, dst)
+        slices: tuple[tuple[int, int, int], ...] = ()
+        src_index: tuple[np.ndarray, ...] = ()
+        dst_index: tuple[np.ndarray, ...] = ()
+        if len(runs) * MIN_MEAN_RUN <= n or len(runs) <= 2:
+            kind, slices = "slices", tuple(runs)
+        elif len(src_runs := contiguous_runs(src)) * MIN_MEAN_RUN <= n:  # scatter each run
+            kind, slices = "scatter", tuple((int(src[i]), 0, k) for i, k in src_runs)
+            dst_index = tuple(dst[i : i + k] for i, k in src_runs)
+        elif len(dst_runs := contiguous_runs(dst)) * MIN_MEAN_RUN <= n:  # gather into each
+            kind, slices = "gather", tuple((0, int(dst[i]), k) for i, k in dst_runs)
+            src_index = tuple(src[i : i + k] for i, k in dst_runs)
+        else:
+            kind, step = "staged", max(1, STAGING_BYTES // max(1, row_bytes))
+            src_index = tuple(src[i : i + step] for i in range(0, n, step))
+            dst_index = tuple(dst[i : i + step] for i in range(0, n, step))
+        return cls(kind, slices, src_index, dst_index, src, dst)
+
+    def copy(self, src_rows: np.ndarray, dst_rows: np.ndarray) -> None:
+        """Copy the planned rows from `src_rows` into `dst_rows` (both `[blocks, bytes]`)."""
+        if self.kind == "slices":
+            for s, d, k in self.slices:
+                dst_rows[d : d + k] = src_rows[s : s + k]
+        elif self.kind == "scatter":
+            for (s, _, k), index in zip(self.slices, self.dst_index, strict=True):
+                dst_rows[index] = src_rows[s : s + k]
+        elif self.kind == "gather":
+            for (_, d, k), index in zip(self.slices, self.src_index, strict=True):
+                dst_rows[d : d + k] = src_rows[index]
+        else:
+            for s_index, d_index in zip(self.src_index, self.dst_index, strict=True):
+                dst_rows[d_index] = src_rows[s_index]
+
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -262,12 +357,10 @@ def copy_rows_many(
     dst_num_rows: int,
 ) -> None:
     """`dst[dst_ids] = src[src_ids]` with streaming stores, for several (source address,
-    destination address) row matrices at once; ids are int64 vectors.
-
-    Every source matrix has `src_num_rows` rows of `row_bytes` bytes at its address, every
-    destination `dst_num_rows` (the caller guarantees those; ids are checked against them).
-    One call copies, e.g., K and V of all queued layers with the GIL released throughout.
-    """
+    destination address) row matrices at once (e.g. K and V of every queued layer), the
+    GIL released throughout. Each source has `src_num_rows` rows of `row_bytes` at its
+    address, each destination `dst_num_rows` (the caller guarantees those; the contiguous
+    int64 ids are checked against them)."""
     lib = _library()
     assert lib is not None, "check available() first"
     n = len(src_ids)
@@ -283,12 +376,5 @@ def copy_rows_many(
     addresses = np.asarray(pairs, dtype=np.int64)  # [pairs, 2]: source, destination
     srcs = np.ascontiguousarray(addresses[:, 0])
     dsts = np.ascontiguousarray(addresses[:, 1])
-    lib.pd_copy_rows(
-        len(pairs),
-        dsts.ctypes.data,
-        srcs.ctypes.data,
-        dst_ids.ctypes.data,
-        src_ids.ctypes.data,
-        n,
-        row_bytes,
-    )
+    args = (dsts.ctypes.data, srcs.ctypes.data, dst_ids.ctypes.data, src_ids.ctypes.data)
+    lib.pd_copy_rows(len(pairs), *args, n, row_bytes)

@@ -1,8 +1,12 @@
-"""Block copy plans, streaming copies and checksums on CPU caches."""
+"""Row copies (`kernels.rowcopy`): copy plans, the streaming-copy helper and its trust checks,
+and the layer checksum of `kvtransfer.payload`."""
 
 from __future__ import annotations
 
+import logging
+import os
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -10,19 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer import ntcopy
-from kvtransfer.blockcopy import (
-    CopyPlan,
-    block_rows,
-    contiguous_runs,
-    layer_crc,
-    matched_runs,
-)
+from kernels import rowcopy
+from kernels.rowcopy import CopyPlan, block_rows, contiguous_runs, matched_runs
+from kvtransfer.payload import layer_crc
 
 
 def copy_rows(src: np.ndarray, dst: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
     """`dst[dst_ids] = src[src_ids]` for two `[rows, bytes]` matrices, with streaming stores."""
-    ntcopy.copy_rows_many(
+    rowcopy.copy_rows_many(
         [(src.ctypes.data, dst.ctypes.data)],
         src_ids,
         dst_ids,
@@ -69,7 +68,7 @@ def test_copy_plan_copies_exactly_the_planned_rows(
     src = rng.integers(0, 255, size=(40, row_bytes), dtype=np.uint8)
     dst = np.zeros((40, row_bytes), dtype=np.uint8)
     plan = CopyPlan.build(src_ids, dst_ids, row_bytes)
-    if streaming and ntcopy.available():  # the path shm takes for large transfers
+    if streaming and rowcopy.available():  # the path shm takes for large transfers
         copy_rows(src, dst, plan.src_ids, plan.dst_ids)
     else:
         plan.copy(src, dst)
@@ -112,7 +111,7 @@ def test_layer_crc_equals_crc_of_the_packed_payload() -> None:
 
 
 def test_streaming_copy_checks_bounds() -> None:
-    if not ntcopy.available():
+    if not rowcopy.available():
         pytest.skip("no C compiler for the streaming-copy helper")
     src, dst = np.ones((4, 64), np.uint8), np.zeros((4, 64), np.uint8)
     with pytest.raises(IndexError):
@@ -121,3 +120,49 @@ def test_streaming_copy_checks_bounds() -> None:
         copy_rows(src, dst, np.array([0, 1], np.int64), np.array([0], np.int64))
     copy_rows(src, dst, np.array([3, 0], np.int64), np.array([1, 2], np.int64))
     assert dst[[1, 2]].all() and not dst[[0, 3]].any()
+
+
+# -- the compiled copy helper -----------------------------------------------------------
+
+
+@pytest.fixture
+def private_cache(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The helper's cache moved to a fresh directory; the real one is back afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rowcopy._library.cache_clear()
+    yield os.path.join(str(tmp_path), "pdserve")
+    monkeypatch.undo()
+    rowcopy._library.cache_clear()
+
+
+def test_ntcopy_refuses_a_tampered_or_writable_library(
+    private_cache: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not rowcopy.available():
+        pytest.skip("no C compiler: the helper is never built")
+    assert os.stat(private_cache).st_mode & 0o077 == 0
+    (library,) = [n for n in os.listdir(private_cache) if n.endswith(".so")]
+    path = os.path.join(private_cache, library)
+
+    def loads() -> bool:
+        rowcopy._library.cache_clear()
+        return rowcopy.available()
+
+    caplog.set_level(logging.WARNING, logger="kernels.rowcopy")
+    os.chmod(path, 0o722)  # group/world writable
+    assert not loads() and "writable by others" in caplog.text
+    os.chmod(path, 0o700)
+    assert loads()
+    with open(path, "ab") as f:  # changed after it was built
+        f.write(b"\0")
+    assert not loads() and "does not match the hash" in caplog.text
+    os.unlink(path)  # a missing library is rebuilt (and recorded) afresh
+    assert loads()
+    os.chmod(private_cache, 0o777)
+    assert not loads()
+    os.chmod(private_cache, 0o700)
+    assert loads()
+    src = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
+    dst = np.zeros_like(src)
+    copy_rows(src, dst, np.array([3, 0], np.int64), np.array([1, 2], np.int64))
+    assert np.array_equal(dst[1], src[3]) and np.array_equal(dst[2], src[0])
