@@ -22,6 +22,7 @@ BENCHMARKS = {
     "chaos": "bench.chaos",
     "autoscale": "bench.autoscale",
     "overload": "bench.overload",
+    "tpot": "bench.decode_tpot",
 }
 
 
@@ -48,6 +49,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             quantization=args.quantization,
             num_threads=args.num_threads,
             tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=args.enforce_eager,
         )
     )
     params = SamplingParams(
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--num-threads", type=_positive_int, default=None, help="torch threads per rank"
+    )
+    gen.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (cuda)"
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 

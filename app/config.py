@@ -9,6 +9,7 @@ pool may override only engine sizes (`PoolConfig.engine`; `PDServeConfig.engine_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -129,8 +130,10 @@ class PDServeConfig(_Strict):
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine config of `pool`'s replicas: `model` with the pool's size overrides
         (model, dtype and block size are shared, so every pool's KV layout agrees); a
-        fallback pool's own `model` instead."""
-        return self.model_settings(pool).to_engine_config(pool.engine)
+        fallback pool's own `model` instead. Prefill replicas never run a decode step, so they
+        capture no CUDA graphs (`enforce_eager`)."""
+        config = self.model_settings(pool).to_engine_config(pool.engine)
+        return dataclasses.replace(config, enforce_eager=True) if pool.role == "prefill" else config
 
     def model_settings(self, pool: PoolConfig) -> ModelSettings:
         """The model `pool` runs: its own (a fallback pool) or the top-level `model`."""
@@ -160,8 +163,10 @@ class PDServeConfig(_Strict):
                 "fallback pool serves the degradable classes of every primary pool"
             )
         self.observability.check_pools(set(names))
-        if self.transfer.backend == "nccl" and self.model.device != "cuda":
-            raise ValueError("transfer.backend 'nccl' requires model.device 'cuda'")
+        if self.transfer.backend in ("nccl", "cuda_ipc") and self.model.device != "cuda":
+            raise ValueError(
+                f"transfer.backend {self.transfer.backend!r} requires model.device 'cuda'"
+            )
         for pool in self.pools:
             batched = pool.engine.max_num_batched_tokens
             chunk = self.model_settings(pool).long_prefill_token_threshold

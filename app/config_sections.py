@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from app.admission.config import TenantQuota
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.cuda_graphs import check_batch_sizes
 from engine.quantization import check_fp8_options
 
 NAME_PATTERN = r"^[A-Za-z][A-Za-z0-9_-]{0,62}$"
@@ -121,6 +122,15 @@ class ModelSettings(_Strict):
         "KV head): GPUs on cuda (set each pool's num_gpus to it), worker processes on cpu. "
         "Shared by every pool, so KV moves from prefill rank i to decode rank i.",
     )
+    enforce_eager: bool = Field(
+        default=False, description="No CUDA graphs for decode steps (cuda, TP 1): all eager."
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
+        default=None,
+        description="Decode batch sizes captured as CUDA graphs at replica start (a step of "
+        "n requests replays the smallest size >= n, padded; larger ones run eagerly). null: "
+        "1, 2, 4, 8, then every 8 up to max_num_seqs; sizes above max_num_seqs are skipped.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelSettings:
@@ -138,6 +148,8 @@ class ModelSettings(_Strict):
             self.dtype,
             self.device,
         )
+        if self.cuda_graph_batch_sizes is not None:
+            check_batch_sizes(self.cuda_graph_batch_sizes)
         if self.served_model_name is None:
             self.served_model_name = "pdserve-" + PurePath(self.model.rstrip("/")).name
         return self
@@ -164,14 +176,19 @@ class ModelSettings(_Strict):
             num_threads=sizes.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
             quantization=self.quantization,
+            enforce_eager=self.enforce_eager,
+            cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
         )
 
 
 class TransferSettings(_Strict):
     """How KV blocks move from prefill to decode replicas."""
 
-    backend: Literal["shm", "tcp", "nccl"] = Field(
-        default="shm", description="shm: same host; tcp: across hosts; nccl: GPU."
+    backend: Literal["shm", "tcp", "nccl", "cuda_ipc"] = Field(
+        default="shm",
+        description="shm: same host; tcp: across hosts; nccl: GPU (the default between "
+        "GPUs); cuda_ipc: GPUs of one node, written through CUDA IPC (one GPU shared by "
+        "prefill and decode, or GPUs with peer access that both processes see).",
     )
     bind_host: str = Field(
         default="0.0.0.0",

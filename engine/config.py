@@ -104,3 +104,9 @@ class EngineConfig:
     quantization: str | None = None  # "fp8" weights; None = as the checkpoint is stored
     # Ranks (devices) of one replica; > 1: worker processes in lockstep (`engine.tp_worker`)
     tensor_parallel_size: int = 1
+    # True: no CUDA graphs for decode steps (`engine.cuda_graphs`; used on cuda with TP 1)
+    enforce_eager: bool = False
+    # Decode batch sizes captured as CUDA graphs; None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a bare shape)
+    load_format: str = "auto"

@@ -31,16 +31,17 @@ import torch
 from tqdm import tqdm
 
 from engine.builtin import resolve_model_dir
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.cuda_graphs import build_decode_graphs, uses_decode_graphs
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import TORCH_DTYPES, KVCache, KVCacheSpec
+from engine.kv_cache import KVCache, KVCacheSpec
 from engine.kv_cache_manager import KVCacheManager
-from engine.loader import load_model_config, load_state_dict, load_tokenizer
-from engine.model import CausalLM, LayerHook, RotaryEmbedding
+from engine.loader import load_model, load_model_config, load_tokenizer
+from engine.model import LayerHook
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.parallel import TensorParallel, check_shardable
-from engine.quantization import cast_floating_, check_fp8_device, check_fp8_options, finish_loading
+from engine.parallel import check_shardable
+from engine.quantization import check_fp8_device, check_fp8_options
 from engine.request import (
     InvalidRequestError,
     Request,
@@ -56,29 +57,16 @@ Prompt = str | list[int]
 LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
 
 
-def load_model(
-    model_config: ModelConfig,
-    model_dir: str,
-    device: torch.device,
-    tp: TensorParallel | None = None,
-) -> CausalLM:
-    """Build the model (or `tp`'s shard of it) without random init and load the
-    checkpoint's weights."""
-    dtype = TORCH_DTYPES[model_config.dtype]
-    with torch.device("meta"):
-        model = CausalLM(model_config, tp)
-    model = model.to_empty(device=device)
-    cast_floating_(model, dtype)  # FP8 weights and their float32 scales keep their dtypes
-    model.rotary = RotaryEmbedding(model_config, dtype).to(device)
-    model.load_hf_state_dict(load_state_dict(model_dir, model_config.dtype))
-    finish_loading(model)
-    return model.eval()
-
-
 class Engine:
-    """A whole single-process LLM engine over a paged KV cache."""
+    """A whole single-process LLM engine over a paged KV cache. `decode_graphs` (None: on
+    cuda, TP 1, not `enforce_eager`) runs decode steps through `engine.cuda_graphs`."""
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCache | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache: KVCache | None = None,
+        decode_graphs: bool | None = None,
+    ) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -93,6 +81,8 @@ class Engine:
         )
         check_fp8_device(self.model_config.quantization, config.cache.kv_cache_dtype, self.device)
         check_shardable(self.model_config, config.tensor_parallel_size)
+        if config.tensor_parallel_size > 1 and config.load_format != "auto":
+            raise ValueError("load_format 'dummy' needs tensor_parallel_size 1")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.kv_spec = KVCacheSpec.for_engine(config, self.model_config)
         if kv_cache is not None and kv_cache.spec != self.kv_spec:
@@ -106,12 +96,20 @@ class Engine:
             self.kv_cache = kv_cache or KVCache.allocate(self.kv_spec, self.device)
             rank0_cache = self.kv_cache
         tp = self.workers.tp if self.workers is not None else None
-        self.model = load_model(self.model_config, self.model_dir, self.device, tp)
+        self.model = load_model(
+            self.model_config, self.model_dir, self.device, tp, config.load_format
+        )
+        use_graphs = uses_decode_graphs(config) if decode_graphs is None else decode_graphs
+        graphs = None
+        if use_graphs and tp is None:  # the scratch block stays out of the block pool
+            graphs = build_decode_graphs(config, self.model, rank0_cache, self.max_model_len)
         self.kv_manager = KVCacheManager(
-            self.kv_spec.num_blocks, self.kv_spec.block_size, config.cache.enable_prefix_caching
+            self.kv_spec.num_blocks - (graphs is not None),
+            self.kv_spec.block_size,
+            config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, rank0_cache, self.device, self.workers)
+        self.runner = ModelRunner(self.model, rank0_cache, self.device, self.workers, graphs)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
@@ -152,10 +150,11 @@ class Engine:
         token_ids = self.tokenize(prompt)
         check_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
         total = len(token_ids) + params.max_tokens
-        if self.kv_manager.num_blocks_for(total) > self.kv_spec.num_blocks:
+        num_blocks = self.kv_manager.pool.num_blocks
+        if self.kv_manager.num_blocks_for(total) > num_blocks:
             raise InvalidRequestError(
                 f"request needs {total} tokens of KV cache, more than this replica's "
-                f"{self.kv_spec.num_blocks * self.kv_spec.block_size}"
+                f"{num_blocks * self.kv_spec.block_size}"
             )
         eos = () if params.ignore_eos else self.model_config.eos_token_ids
         return Request(
@@ -228,7 +227,7 @@ class Engine:
         scheduler runs: this thread, between steps)."""
         scheduler = self.scheduler
         return {
-            "num_blocks": self.kv_spec.num_blocks,
+            "num_blocks": self.kv_manager.pool.num_blocks,
             "num_free_blocks": self.kv_manager.num_free_blocks,
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting),

@@ -1,4 +1,5 @@
-"""Loading a local Hugging Face model directory: its config, safetensors weights and tokenizer.
+"""Loading a local Hugging Face model directory: its config, safetensors weights and tokenizer,
+and building our model from them (`load_model`).
 
 Supports the Llama family (`LlamaForCausalLM`, `Qwen2ForCausalLM`, `MistralForCausalLM`).
 Config keys of both transformers 4.x (`rope_theta`, `rope_scaling`) and 5.x
@@ -17,7 +18,14 @@ from safetensors import safe_open
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
 from engine.kv_cache import TORCH_DTYPES
-from engine.quantization import QUANTIZATION_METHODS, SCALE_SUFFIXES
+from engine.model import CausalLM, RotaryEmbedding
+from engine.parallel import TensorParallel
+from engine.quantization import (
+    QUANTIZATION_METHODS,
+    SCALE_SUFFIXES,
+    cast_floating_,
+    finish_loading,
+)
 from kernels.fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
@@ -128,6 +136,50 @@ def load_state_dict(
                 elif tensor.is_floating_point() and tensor.dtype != FP8_DTYPE:
                     tensor = tensor.to(torch_dtype)
                 state[name] = tensor
+    return state
+
+
+def random_state_dict(
+    config: ModelConfig, device: str | torch.device, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random Hugging Face-named weights of `config`'s shape (`load_format: dummy`, for
+    benchmarks of a model without a checkpoint): N(0, 0.02) matrices and biases, norms of
+    ones, in the config's dtype, made on `device`."""
+    dtype = TORCH_DTYPES[config.dtype]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    matrices: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    if not config.tie_word_embeddings:
+        matrices["lm_head.weight"] = (vocab, hidden)
+    norms = ["model.norm.weight"]
+    for i in range(config.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        norms += [f"model.layers.{i}.input_layernorm.weight"]
+        norms += [f"model.layers.{i}.post_attention_layernorm.weight"]
+        shapes = {
+            f"{attn}q_proj": (q_dim, hidden),
+            f"{attn}k_proj": (kv_dim, hidden),
+            f"{attn}v_proj": (kv_dim, hidden),
+            f"{attn}o_proj": (hidden, q_dim),
+            f"{mlp}gate_proj": (inter, hidden),
+            f"{mlp}up_proj": (inter, hidden),
+            f"{mlp}down_proj": (hidden, inter),
+        }
+        for name, dims in shapes.items():
+            matrices[name + ".weight"] = dims
+            is_qkv = name.startswith(attn) and not name.endswith("o_proj")
+            o_bias = config.attention_bias and config.architecture != "qwen2"
+            if (is_qkv and config.attention_bias) or (name.endswith("o_proj") and o_bias):
+                matrices[name + ".bias"] = dims[:1]
+            if name.startswith(mlp) and config.mlp_bias:
+                matrices[name + ".bias"] = dims[:1]
+    state = {
+        name: torch.randn(dims, generator=generator, device=device, dtype=dtype) * 0.02
+        for name, dims in matrices.items()
+    }
+    state.update({name: torch.ones(hidden, device=device, dtype=dtype) for name in norms})
     return state
 
 
@@ -300,3 +352,28 @@ def _has(path: Path, name: str) -> bool:
 
 def _listing(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir())
+
+
+def load_model(
+    model_config: ModelConfig,
+    model_dir: str,
+    device: torch.device,
+    tp: TensorParallel | None = None,
+    load_format: str = "auto",
+) -> CausalLM:
+    """Build the model (or `tp`'s shard of it) without random init and load the
+    checkpoint's weights (random ones for `load_format="dummy"`)."""
+    dtype = TORCH_DTYPES[model_config.dtype]
+    with torch.device("meta"):
+        model = CausalLM(model_config, tp)
+    model = model.to_empty(device=device)
+    cast_floating_(model, dtype)  # FP8 weights and their float32 scales keep their dtypes
+    model.rotary = RotaryEmbedding(model_config, dtype).to(device)
+    if load_format == "dummy":
+        model.load_hf_state_dict(random_state_dict(model_config, device))
+    elif load_format == "auto":
+        model.load_hf_state_dict(load_state_dict(model_dir, model_config.dtype))
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    finish_loading(model)
+    return model.eval()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.request import Request
@@ -38,7 +39,8 @@ def _new_token_ids(request: Request, start: int, num: int) -> list[int]:
 
 class ModelRunner:
     """Rank 0's runner; with `workers` (tensor parallelism) it sends each step's inputs
-    to the other ranks before running its own shard, and samples alone."""
+    to the other ranks before running its own shard, and samples alone. With `graphs`,
+    decode steps they fit run through them (`engine.cuda_graphs`), all else eagerly."""
 
     def __init__(
         self,
@@ -46,8 +48,10 @@ class ModelRunner:
         kv_cache: KVCache,
         device: torch.device,
         workers: TPWorkers | None = None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
+        self.graphs = graphs
         self.kv_cache = kv_cache
         self.device = device
         self.workers = workers
@@ -141,6 +145,11 @@ class ModelRunner:
         self, model_input: ModelInput, layer_hook: LayerHook | None
     ) -> torch.Tensor | None:
         """The model's pass, then the logits of the sampling rows (None: no sampling)."""
+        graphs, metadata = self.graphs, model_input.metadata
+        if graphs is not None and layer_hook is None and graphs.can_run(metadata):
+            logits = graphs.run(model_input.input_ids, model_input.positions, metadata)
+            # a decode step's row i is its token i, so logits_indices index the rows
+            return logits[model_input.logits_indices] if model_input.sampling_requests else None
         hidden = self.model(
             model_input.input_ids,
             model_input.positions,

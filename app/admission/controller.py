@@ -35,6 +35,7 @@ from app.config import PDServeConfig
 from app.config_sections import TenantConfig
 from app.errors import RateLimitError, ServiceUnavailableError
 from engine.config import ModelConfig
+from engine.cuda_graphs import uses_decode_graphs
 from engine.kv_cache import KVCacheSpec
 
 logger = logging.getLogger(__name__)
@@ -106,9 +107,12 @@ def decode_pool_blocks(
     for pool in config.pools_by_role("decode"):
         own = fallback_config if pool.fallback else model_config
         assert own is not None, f"fallback pool {pool.name} needs its model config"
-        spec = KVCacheSpec.for_engine(config.engine_config(pool), own)
+        engine_config = config.engine_config(pool)
+        spec = KVCacheSpec.for_engine(engine_config, own)
+        # A replica capturing CUDA graphs keeps one block as its padding rows' scratch.
+        usable = spec.num_blocks - uses_decode_graphs(engine_config)
         replicas = pool.autoscaling.min_replicas if pool.autoscaling else pool.num_replicas
-        blocks[pool.name] = spec.num_blocks * (replicas or 1)
+        blocks[pool.name] = usable * (replicas or 1)
     return blocks
 
 

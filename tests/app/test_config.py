@@ -12,6 +12,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from app.admission.controller import decode_pool_blocks
 from app.config import (
     AutoscalingSettings,
     ConfigError,
@@ -21,7 +22,10 @@ from app.config import (
     load_config,
 )
 from app.router import RouterPolicy
+from engine.builtin import resolve_model_dir
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_cache import KVCacheSpec
+from engine.loader import load_model_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
@@ -96,6 +100,26 @@ def test_to_engine_config() -> None:
         ),
         num_threads=2,
     )
+
+
+def test_cuda_graphs_only_where_decode_steps_run() -> None:
+    config = PDServeConfig.model_validate(
+        {
+            "model": {"model": "tiny", "device": "cuda", "kv_cache_bytes": 1 << 24},
+            "transfer": {"backend": "nccl"},
+            "pools": [
+                {"name": "prefill", "role": "prefill", "num_gpus": 1},
+                {"name": "decode", "role": "decode", "num_gpus": 1, "num_replicas": 2},
+            ],
+        }
+    )
+    prefill, decode = (config.engine_config(pool) for pool in config.pools)
+    assert prefill.enforce_eager and not decode.enforce_eager
+    # Each decode replica keeps one block for its graphs' padding rows: out of the KV share.
+    model_config = load_model_config(resolve_model_dir("tiny"), "float32")
+    spec = KVCacheSpec.for_engine(decode, model_config)
+    blocks = decode_pool_blocks(config, model_config)
+    assert blocks == {"decode": 2 * (spec.num_blocks - 1)}
 
 
 def test_colocated_needs_no_prefill_pool() -> None:

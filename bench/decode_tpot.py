@@ -1,0 +1,185 @@
+"""`pdserve bench tpot`: decode time per output token, CUDA graphs on and off, against the
+weight-bandwidth roofline.
+
+For each model, mode and batch size, `batch` requests of `--prompt-len` random tokens are
+prefilled in one step, then decode `--output-len` tokens together (EOS ignored); TPOT is
+the median time of those pure-decode steps (`Engine.step`, synchronized on CUDA: schedule,
+inputs, forward, sampling, detokenizing). The roofline is the bytes one decode step must
+read, every weight but the embedding table (of which it gathers `batch` rows), divided by
+`--bandwidth` (default: H200 HBM3e, 4.8 TB/s); KV reads come on top (small here).
+
+Modes: `graphs` captures decode graphs (`engine.cuda_graphs`; on the CPU the padded path
+runs uncaptured), `eager` runs every step eagerly. Models: a directory, a built-in name, or
+`llama3-8b`: the Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads,
+intermediate 14336, vocab 128256) with random weights (`load_format: dummy`).
+
+Stdout: a table, or with `--json` one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.builtin import resolve_model_dir
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.engine import Engine
+from engine.loader import CONFIG_FILE, load_model_config
+from engine.request import SamplingParams
+
+H200_BYTES_S = 4.8e12
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+SHAPES = {"llama3-8b": LLAMA3_8B}
+
+
+def shape_dir(name: str, out: Path) -> Path:
+    """A model directory with `name`'s config.json and the built-in byte-level tokenizer
+    (no weights: load it with `load_format: dummy`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_source = resolve_model_dir("tiny")
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_source / file, out / file)
+    (out / CONFIG_FILE).write_text(json.dumps(SHAPES[name]))
+    return out
+
+
+def measure(
+    model: str,
+    model_dir: str,
+    dummy: bool,
+    mode: str,
+    batches: Sequence[int],
+    args: argparse.Namespace,
+) -> list[dict[str, object]]:
+    """TPOT rows of one engine (one model in one mode), one per batch size."""
+    config = load_model_config(model_dir, args.dtype)
+    block = 16
+    tokens_per_seq = args.prompt_len + args.output_len + block
+    kv_bytes = (max(batches) * tokens_per_seq + 2 * block) * config.kv_bytes_per_token
+    engine = Engine(
+        EngineConfig(
+            model_dir=model_dir,
+            dtype=args.dtype,
+            device=args.device,
+            cache=CacheConfig(
+                block_size=block, kv_cache_bytes=kv_bytes, enable_prefix_caching=False
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max(batches) * args.prompt_len,
+                max_num_seqs=max(batches),
+                long_prefill_token_threshold=args.prompt_len,
+            ),
+            enforce_eager=mode == "eager",
+            load_format="dummy" if dummy else "auto",
+        ),
+        decode_graphs=mode == "graphs",
+    )
+    weight_bytes = sum(
+        p.numel() * p.element_size()
+        for name, p in engine.model.named_parameters()
+        if not name.startswith("embed_tokens")
+    )
+    cuda = engine.device.type == "cuda"
+    rows = []
+    engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    graphs = engine.runner.graphs
+    for batch in batches:
+        replays_before = graphs.num_replays if graphs is not None else 0
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        gen = torch.Generator().manual_seed(batch)
+        for prompt in torch.randint(0, 256, (batch, args.prompt_len), generator=gen).tolist():
+            engine.add_request(engine.make_request(prompt, params))
+        steps = []
+        while engine.has_unfinished:
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+            start = time.perf_counter()
+            engine.step()
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+            steps.append(time.perf_counter() - start)
+        tpot_ms = statistics.median(steps[1:]) * 1e3  # steps[0] is the batch's prefill
+        roofline_ms = weight_bytes / args.bandwidth * 1e3
+        rows.append(
+            {
+                "model": model,
+                "mode": mode,
+                "batch": batch,
+                "tpot_ms": round(tpot_ms, 4),
+                "weight_gb": round(weight_bytes / 1e9, 3),
+                "roofline_ms": round(roofline_ms, 4),
+                "x_roofline": round(tpot_ms / roofline_ms, 2),
+                "graph_steps": graphs.num_replays - replays_before if graphs is not None else 0,
+            }
+        )
+    engine.close()
+    del engine, graphs
+    gc.collect()  # the graphs' memory pool goes with them
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench tpot", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["small", "llama3-8b"])
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--bandwidth", type=float, default=H200_BYTES_S, help="bytes/s")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    if bad := [m for m in args.modes if m not in ("graphs", "eager")]:
+        parser.error(f"--modes takes graphs and/or eager, not {bad}")
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            dummy = model in SHAPES
+            path = shape_dir(model, Path(tmp) / model) if dummy else resolve_model_dir(model)
+            model_dir = str(path)
+            for mode in args.modes:
+                rows += measure(model, model_dir, dummy, mode, args.batch, args)
+    if args.json:
+        print(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}))
+        return 0
+    print(
+        f"{'model':10} {'mode':6} {'batch':>5} {'TPOT ms':>8} {'weights GB':>10} "
+        f"{'roofline ms':>11} {'x roofline':>10} {'graph steps':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:10} {r['mode']:6} {r['batch']:>5} {r['tpot_ms']:>8.3f} "
+            f"{r['weight_gb']:>10.3f} {r['roofline_ms']:>11.4f} {r['x_roofline']:>10.2f} "
+            f"{r['graph_steps']:>11}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
