@@ -3,12 +3,16 @@
 A response with `n` choices is built from `n` engine request streams: feed each
 `RequestOutput` delta to `builder.add(index, delta)`; streaming sends what `add` returns
 (then `usage_chunk()` if asked, then `SSE_DONE`), otherwise `build()` once all choices finished.
+`add_event(index, delta)` is `add` already encoded as a server-sent event: without logprobs
+(the common stream) it fills a pre-encoded JSON template, byte for byte what the pydantic
+chunk would serialize to, so a streamed token costs no model construction or dump.
 Engine finish reason "abort" passes through as "abort" (not in OpenAI's enum, as in vLLM).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
@@ -30,6 +34,7 @@ from app.responses import (
     PromptTokensDetails,
     TopLogprob,
     Usage,
+    sse_event,
 )
 from engine.outputs import RequestOutput
 
@@ -98,6 +103,16 @@ class TokenStrings:
         return None
 
 
+def _json_str(text: str) -> str:
+    """`text` as a JSON string, escaped exactly as pydantic's serializer escapes it."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+_FINISH_JSON: dict[str | None, str] = {None: "null"} | {
+    r: _json_str(r) for r in _FINISH_REASONS.values()
+}
+
+
 def _top(entry: dict[int, float], num: int | None) -> list[tuple[int, float]]:
     """An engine logprobs entry (sampled token first, then top-N) -> the top `num`, best first."""
     ranked = sorted(entry.items(), key=lambda item: item[1], reverse=True)
@@ -145,6 +160,20 @@ class _Builder:
         self._tokens = tokens
         self._choices = [_ChoiceState() for _ in range(n)]
         self._num_prompt_tokens = 0
+        self._event_prefix: tuple[str, str] = ("", "")  # (model, "data: {...") for it
+
+    def _prefix(self, object_name: str) -> str:
+        """A stream event's start up to its choices' list (`model` may change before the
+        first event: the fallback pool's model; so it is keyed by the model)."""
+        model, prefix = self._event_prefix
+        if prefix and model == self.model:
+            return prefix
+        prefix = (
+            f'data: {{"id":{_json_str(self.id)},"object":"{object_name}",'
+            f'"created":{self.created},"model":{_json_str(self.model)},"choices":[{{"index":'
+        )
+        self._event_prefix = (self.model, prefix)
+        return prefix
 
     @property
     def finished(self) -> bool:
@@ -204,6 +233,20 @@ class CompletionBuilder(_Builder):
             index=index, text=delta.new_text, logprobs=logprobs, finish_reason=state.finish_reason
         )
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def add_event(self, index: int, delta: RequestOutput) -> str | None:
+        """`add`, as its server-sent event (None: nothing to send)."""
+        if self.num_logprobs is not None:
+            chunk = self.add(index, delta)
+            return None if chunk is None else sse_event(chunk)
+        state = self._record(index, delta)
+        if not self._has_news(delta):
+            return None
+        return (
+            f'{self._prefix("text_completion")}{index},"text":{_json_str(delta.new_text)},'
+            f'"logprobs":null,"finish_reason":{_FINISH_JSON[state.finish_reason]}}}],'
+            '"usage":null}\n\n'
+        )
 
     def _logprobs(self, delta: RequestOutput, total: CompletionLogprobs) -> CompletionLogprobs:
         assert self._tokens is not None
@@ -272,6 +315,27 @@ class ChatBuilder(_Builder):
             index=index, delta=message, logprobs=logprobs, finish_reason=state.finish_reason
         )
         return self._chunk([choice])
+
+    def add_event(self, index: int, delta: RequestOutput) -> str | None:
+        """`add`, as its server-sent event (None: nothing to send)."""
+        if self.num_logprobs is not None:
+            chunk = self.add(index, delta)
+            return None if chunk is None else sse_event(chunk)
+        state = self._record(index, delta)
+        first = state.num_deltas == 1
+        if not (first or self._has_news(delta)):
+            return None
+        if first:
+            message = f'{{"role":"assistant","content":{_json_str(delta.new_text)}}}'
+        elif delta.new_text:
+            message = f'{{"content":{_json_str(delta.new_text)}}}'
+        else:
+            message = "{}"
+        return (
+            f'{self._prefix("chat.completion.chunk")}{index},"delta":{message},'
+            f'"logprobs":null,"finish_reason":{_FINISH_JSON[state.finish_reason]}}}],'
+            '"usage":null}\n\n'
+        )
 
     def _logprobs(self, delta: RequestOutput) -> list[ChatTokenLogprob]:
         tokens = self._tokens

@@ -2,7 +2,7 @@
 
 `Frontend.run` starts `pump_choice` once per choice (`n`); each puts `(index, delta)` items,
 then `None` when its choice has finished, or the error that ended it, as a clean API error
-where there is one:
+where there is one (`run` takes whatever is ready at once: `ready_items`):
 
 - a decode replica that died under the call (`RayActorError`): `ReplicaLostError` (503);
 - a request the engine failed and isolated (`RequestFailedError`): 500 `request_failed`;
@@ -69,6 +69,14 @@ async def pump_choice(
         if error is not None:
             error.__cause__ = exc
         queue.put_nowait(error or exc)
+
+
+async def ready_items(queue: asyncio.Queue) -> list[Any]:
+    """The next item of `queue` (waited for) and every other item already in it."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 def cancel_choices(tasks: list[asyncio.Task[None]], timer: asyncio.TimerHandle | None) -> None:

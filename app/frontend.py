@@ -16,6 +16,7 @@ No FastAPI here: `app/ingress.py` adds HTTP on top.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -40,7 +41,7 @@ from app.admission.fallback import (
     is_backpressure,
 )
 from app.admission.overload import OverloadGuard
-from app.choices import cancel_choices, pump_choice
+from app.choices import cancel_choices, pump_choice, ready_items
 from app.config import PDServeConfig
 from app.errors import (
     APIError,
@@ -48,6 +49,7 @@ from app.errors import (
     BadRequestError,
     ContextLengthExceededError,
     ModelNotFoundError,
+    bad_request,
 )
 from app.observability.request_metrics import (
     STATUS_CLIENT_GONE,
@@ -65,7 +67,7 @@ from app.routing_log import RoutingLog
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestOutput
-from engine.request import ContextOverflowError, SamplingParams, check_prompt
+from engine.request import ContextOverflowError, InvalidRequestError, SamplingParams, check_prompt
 
 logger = logging.getLogger(__name__)
 _tracer = trace.get_tracer("pdserve.ingress")
@@ -111,7 +113,7 @@ class Frontend:
             block_size=config.model.block_size,
             kv_pool_blocks=decode_pool_blocks(config, self.model_config, fallback_config),
         )
-        self.prompts = PromptTokenizer(self.tokenizer, self.model_config.vocab_size)
+        self.prompts = PromptTokenizer(self.tokenizer)
         # One thread: tokenizing a large prompt takes about a second per megabyte of CPU, and
         # the tokenizer is not used from two threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
@@ -205,6 +207,10 @@ class Frontend:
             check_prompt(prompt_token_ids, params, model.vocab_size, model.max_model_len)
         except ContextOverflowError as exc:
             raise ContextLengthExceededError(str(exc), param="max_tokens") from None
+        except InvalidRequestError as exc:
+            error = bad_request(exc)
+            error.param = error.param or (prompt_param if str(exc).startswith("prompt") else None)
+            raise error from None
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)
@@ -272,6 +278,16 @@ class Frontend:
 
     async def run(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """Stream `(choice index, delta)` of every choice until all have finished."""
+        async with contextlib.aclosing(self.run_batches(prepared)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def run_batches(
+        self, prepared: PreparedRequest
+    ) -> AsyncGenerator[list[tuple[int, RequestOutput]]]:
+        """`run`, a list at a time: every `(index, delta)` ready by then, in arrival order
+        (a busy ingress writes them at once); each delta is still timed on its own."""
         recorder = self._recorder(prepared)
         telemetry = self.telemetry.start(
             prepared.request_id,
@@ -314,32 +330,38 @@ class Frontend:
         try:
             remaining = prepared.n
             while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    fallback = None
-                    if not started and is_backpressure(item):
-                        fallback = self.fallback.move(prepared, TRIGGER_BACKPRESSURE)
-                    if fallback is None:
-                        raise item
-                    # The decode pool's queue is full: every choice starts over on the
-                    # fallback pool, on a fresh queue (the old one may get late items).
-                    cancel_choices(tasks, timer)
-                    prepared = fallback
-                    recorder.labels.update(
-                        prefill_pool="local", decode_pool=fallback.route.decode_pool
-                    )
-                    self.routing.record(prepared)
-                    queue = asyncio.Queue()
-                    tasks, timer = self._start(prepared, queue)
-                    remaining = prepared.n
-                else:
-                    started = True
-                    admitted.on_output(len(item[1].new_token_ids))
-                    recorder.on_delta(*item)
-                    telemetry.on_delta(*item)
-                    yield item
+                batch: list[tuple[int, RequestOutput]] = []
+                for item in await ready_items(queue):
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        fallback = None
+                        if not started and is_backpressure(item):
+                            fallback = self.fallback.move(prepared, TRIGGER_BACKPRESSURE)
+                        if fallback is None:
+                            if batch:  # the deltas before the error still reach the client
+                                yield batch
+                            raise item
+                        # The decode pool's queue is full: every choice starts over on the
+                        # fallback pool, on a fresh queue (the old one may get late items).
+                        cancel_choices(tasks, timer)
+                        prepared = fallback
+                        recorder.labels.update(
+                            prefill_pool="local", decode_pool=fallback.route.decode_pool
+                        )
+                        self.routing.record(prepared)
+                        queue = asyncio.Queue()
+                        tasks, timer = self._start(prepared, queue)
+                        remaining = prepared.n
+                        break  # what else was ready came from the old pool
+                    else:
+                        started = True
+                        admitted.on_output(len(item[1].new_token_ids))
+                        recorder.on_delta(*item)
+                        telemetry.on_delta(*item)
+                        batch.append(item)
+                if batch:
+                    yield batch
             status = STATUS_OK
         except APIError as exc:
             status = exc.status_code

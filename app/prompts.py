@@ -28,9 +28,8 @@ from app.errors import BadRequestError
 class PromptTokenizer:
     """Turns request prompts into token ids for one model's tokenizer (a Hugging Face one)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
         added: Mapping[int, Any] = getattr(tokenizer, "added_tokens_decoder", {})
         specials = sorted(
             {t.content for t in added.values() if t.special} | set(tokenizer.all_special_tokens),
@@ -42,12 +41,10 @@ class PromptTokenizer:
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         """A completions prompt: text is tokenized as given (special tokens parsed, as in
-        vLLM); token ids must be in the vocabulary."""
+        vLLM); token ids pass through unchanged (`Frontend.prepare` checks them, with every
+        other prompt, in `engine.request.check_prompt`)."""
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt).input_ids)
-        vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise BadRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
     def tokenize_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:

@@ -83,9 +83,7 @@ class KVAwareRouter(RequestRouter):
         rest = [r for r in allowed if r not in first]
         with_stats = [r for r in rest if r.routing_stats]
         without = [r for r in rest if not r.routing_stats]
-        ranked = sorted(
-            with_stats, key=lambda r: (replica_load(r.routing_stats), random.random())
-        )
+        ranked = sorted(with_stats, key=lambda r: (replica_load(r.routing_stats), random.random()))
         ranks = [[r] for r in first + ranked]
         if without:
             ranks.append(without)

@@ -17,7 +17,6 @@ SSE_DONE = "data: [DONE]\n\n"
 FinishReason = Literal["stop", "length", "abort"]
 
 
-
 class PromptTokensDetails(BaseModel):
     """Breakdown of the prompt tokens."""
 

@@ -114,8 +114,7 @@ class OverloadSettings(_Strict):
     )
     class_timeouts_s: dict[str, float] = Field(
         default_factory=dict,
-        description="Default deadline per SLO class name, seconds (overrides "
-        "default_timeout_s).",
+        description="Default deadline per SLO class name, seconds (overrides default_timeout_s).",
     )
     max_timeout_s: float = Field(
         default=3600.0,

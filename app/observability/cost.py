@@ -74,9 +74,7 @@ def unit_cost(
         "usd_total": total,
         "usd_per_request": total / num_requests if num_requests else None,
         "usd_per_1m_tokens": per_million(total, num_tokens),
-        "usd_per_1m_prompt_tokens": per_million(usd_prefill, num_prompt_tokens)
-        if split
-        else None,
+        "usd_per_1m_prompt_tokens": per_million(usd_prefill, num_prompt_tokens) if split else None,
         "usd_per_1m_generated_tokens": per_million(usd_decode, num_generated_tokens)
         if split
         else None,

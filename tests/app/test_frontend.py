@@ -15,7 +15,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from app.config import load_config
-from app.errors import InternalServerError, ReplicaLostError, error_response
+from app.errors import BadRequestError, InternalServerError, ReplicaLostError, error_response
 from app.frontend import Frontend
 from decode.protocol import GenerationSpec
 from engine.builtin import write_builtin_model
@@ -116,3 +116,15 @@ def test_stop_token_ids_are_checked_against_the_vocabulary(model_dir: Path) -> N
     for bad in (vocab, 10**9):
         with pytest.raises(InvalidRequestError, match="^stop_token_ids"):
             front.prepare(None, [1, 2], SamplingParams(stop_token_ids=(bad,), min_tokens=1))
+
+
+def test_prompt_ids_are_checked_once_with_the_prompt_named(model_dir: Path) -> None:
+    front = frontend(model_dir, ActorDiedError())
+    vocab = front.model_config.vocab_size
+    for bad, message in (([1, vocab], "prompt token ids"), ([1, -1], "prompt token ids")):
+        with pytest.raises(BadRequestError) as info:
+            front.prepare(None, bad, SamplingParams(max_tokens=4), prompt_param="messages")
+        status, body = error_response(info.value)
+        assert status == 400
+        assert body["error"]["param"] == "messages"
+        assert body["error"]["message"].startswith(message)

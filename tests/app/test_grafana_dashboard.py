@@ -61,7 +61,7 @@ def dashboard_metric_names() -> set[str]:
 
 def test_the_parser_finds_metric_names() -> None:
     expr = (
-        'histogram_quantile(0.99, sum by (le, tenant) (rate(ray_pdserve_ttft_seconds_bucket'
+        "histogram_quantile(0.99, sum by (le, tenant) (rate(ray_pdserve_ttft_seconds_bucket"
         '{tenant=~"$tenant",status="200"}[$__rate_interval]))) / 1e9 + on (pool) '
         "sum(ray_pdserve_kv_blocks_free) and ignoring (x) bogus_metric offset 5m"
     )

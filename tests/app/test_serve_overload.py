@@ -63,9 +63,7 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
         },
         "tenants": [{"name": "acme", "api_keys": [ACME], "default_class": "interactive"}],
         "admin_api_keys": [ADMIN],
-        "overload": {
-            "breaker": {"failure_threshold": FAILURE_THRESHOLD, "cooldown_s": COOLDOWN_S}
-        },
+        "overload": {"breaker": {"failure_threshold": FAILURE_THRESHOLD, "cooldown_s": COOLDOWN_S}},
     }
 
 

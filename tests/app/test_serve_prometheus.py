@@ -111,9 +111,7 @@ def metrics_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(
-    request: pytest.FixtureRequest, model_dir: Path, metrics_port: int
-) -> Iterator[Server]:
+def server(request: pytest.FixtureRequest, model_dir: Path, metrics_port: int) -> Iterator[Server]:
     """conftest's `server`, on a Ray instance exporting metrics on `metrics_port` every 1 s."""
     import ray
     from ray import serve
@@ -290,9 +288,7 @@ def test_prometheus_sees_what_the_clients_saw(server: Server, prometheus: str) -
     # Replica gauges: the configured price of each pool's one replica; every block free
     # again once the requests are done.
     for pool, usd in PRICES.items():
-        wait_for_value(
-            prometheus, f'sum(ray_pdserve_replica_cost_per_hour{{pool="{pool}"}})', usd
-        )
+        wait_for_value(prometheus, f'sum(ray_pdserve_replica_cost_per_hour{{pool="{pool}"}})', usd)
     pools = server.stats()["pools"]
     for pool in PRICES:
         wait_for_value(

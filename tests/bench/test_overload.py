@@ -14,12 +14,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from app.cli import main
 from app.config import ConfigError, load_config
-from bench.overload import send
+from bench.overload import client_session, send
 from bench.overload_plan import (
     OFF_MAX_QUEUED_REQUESTS,
     ClassPlan,
@@ -260,9 +259,8 @@ def http_server() -> Iterator[tuple[str, list[bytes]]]:
 async def _send_to(url: str, path: str, hung_after_s: float) -> Record:
     plan = ClassPlan("batch", "globex", "sk-test", 20, 4, BATCH)
     record = Record(0, "batch", 0.0)
-    async with httpx.AsyncClient(base_url=url + path) as client:
-        # `send` posts to /v1/completions under the client's base URL.
-        await send(client, "m", plan, "hello", record, 5.0, hung_after_s, t0=0.0)
+    async with client_session() as session:
+        await send(session, url + path, "m", plan, "hello", record, 5.0, hung_after_s, t0=0.0)
     return record
 
 
