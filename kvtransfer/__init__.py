@@ -10,12 +10,8 @@ with a clear `BackendUnavailableError` when used) on a machine without CUDA:
     sender.send_layer(ticket, layer, k_cache, v_cache, src_block_ids)     # prefill side
     sender.finish(ticket); receiver.poll("req-1")  # -> TransferState.DONE
 
-| backend | where | data path |
-| --- | --- | --- |
-| `shm` | one host | sender writes into decode's cache in /dev/shm (one copy) |
-| `tcp` | across hosts | one frame per layer, gathered from / scattered into the caches |
-| `nccl` | GPUs | NCCL send/recv, control frames over TCP |
-| `cuda_ipc` | GPUs of one node | sender copies into decode's CUDA cache (IPC handle) |
+`shm` (one host), `tcp` (across hosts), `nccl` and `cuda_ipc` (GPUs): each one's data path
+is drawn in docs/architecture.md and described in its module.
 """
 
 from __future__ import annotations
@@ -82,10 +78,15 @@ def create_receiver(
     incarnation number (tests).
     """
     _check(backend)
+    if backend == "shm" and kv_cache is not None:
+        raise ValueError("the shm receiver creates its cache in shared memory; pass None")
+    if backend in ("tcp", "nccl") and options.secret is None and not is_loopback(host):
+        raise ValueError(
+            f"a receiver on {host!r} needs TransferOptions.secret: without it any host "
+            "could write into the KV cache (bind a loopback address for tests)"
+        )
     landing: Landing
     if backend == "shm":
-        if kv_cache is not None:
-            raise ValueError("the shm receiver creates its cache in shared memory; pass None")
         from kvtransfer.shm import ShmLanding
 
         landing = ShmLanding(spec, name)
@@ -93,23 +94,16 @@ def create_receiver(
         from kvtransfer.cuda_ipc import CudaIpcLanding
 
         landing = CudaIpcLanding(spec, kv_cache, device)
+    elif backend == "tcp":
+        from kvtransfer.tcp import TcpLanding
+
+        landing = TcpLanding(kv_cache or KVCache.allocate(spec), host, port, advertise_host)
     else:
-        if options.secret is None and not is_loopback(host):
-            raise ValueError(
-                f"a receiver on {host!r} needs TransferOptions.secret: without it any host "
-                "could write into the KV cache (bind a loopback address for tests)"
-            )
-        if backend == "tcp":
-            from kvtransfer.tcp import TcpLanding
+        from kvtransfer.nccl import NcclLanding, require_cuda, resolve_device
 
-            landing = TcpLanding(kv_cache or KVCache.allocate(spec), host, port, advertise_host)
-        else:
-            from kvtransfer.nccl import NcclLanding, require_cuda, resolve_device
-
-            if kv_cache is None:
-                require_cuda(resolve_device(device))
-                kv_cache = KVCache.allocate(spec, resolve_device(device))
-            landing = NcclLanding(kv_cache, host, port, advertise_host)
+        if kv_cache is None:
+            kv_cache = KVCache.allocate(spec, require_cuda(resolve_device(device)))
+        landing = NcclLanding(kv_cache, host, port, advertise_host)
     try:
         return Receiver(
             spec, landing, model_id=model_id, release=release, options=options, epoch=epoch

@@ -175,10 +175,13 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, obj: object) -> KVLayout:
-        """A layout from its `to_dict` form (unknown keys ignored); TypeError if malformed."""
-        if not isinstance(obj, dict):
-            raise TypeError("a layout is a JSON object")
-        return cls(**{f.name: obj[f.name] for f in fields(cls) if f.name in obj})
+        """A layout from its `to_dict` form (unknown keys ignored); ProtocolError if malformed
+        (a peer's handshake)."""
+        given = obj if isinstance(obj, dict) else {}
+        try:
+            return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+        except TypeError:
+            raise ProtocolError("malformed layout in the handshake") from None
 
 
 @dataclass(frozen=True, slots=True)

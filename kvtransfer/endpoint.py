@@ -24,6 +24,7 @@ from kvtransfer.table import TransferTable
 from kvtransfer.wire import Connection, Header
 
 logger = logging.getLogger(__name__)
+ConnFn = Callable[[Connection], None]
 
 
 class Endpoint:
@@ -72,11 +73,12 @@ class Endpoint:
         with self.lock:
             self.refusals[reason] += 1
 
-    def serve(self, conn: Connection, body: Callable[[], None], drop: Callable[[], None]) -> None:
-        """A connection's thread: run `body` (read its frames), then `drop` it, whatever
-        ended it. A peer breaking the protocol fails the transfers bound to it."""
+    def serve(self, conn: Connection, body: ConnFn, drop: ConnFn) -> None:
+        """A connection's thread: run `body` (read its frames); whatever ended it, mark it
+        dead, let the owner `drop` its transfers, then close and forget it. A peer breaking
+        the protocol fails the transfers bound to it."""
         try:
-            body()
+            body(conn)
         except ProtocolError as exc:
             self.count("protocol_error")
             logger.warning("closing %s connection %s: %s", self.role, conn.name, exc)
@@ -90,7 +92,11 @@ class Endpoint:
         except Exception:
             logger.exception("%s connection %s failed", self.role, conn.name)
         finally:
-            drop()
+            conn.alive = False
+            drop(conn)
+            conn.fs.close()
+            with self.lock:
+                self.connections.discard(conn)
 
     @staticmethod
     def read(conn: Connection, dispatch: Callable[[Connection, Header], None]) -> None:

@@ -18,14 +18,9 @@ import struct
 import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.base import (
-    BackendUnavailableError,
-    ChecksumMismatchError,
-    PeerLostError,
-    ProtocolError,
-)
+from kvtransfer.base import BackendUnavailableError, PeerLostError, ProtocolError
 from kvtransfer.nccl_lib import load_nccl
-from kvtransfer.payload import crc32
+from kvtransfer.payload import check_crc, crc32
 from kvtransfer.receiver import Landing
 from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
@@ -36,13 +31,14 @@ RECEIVER_RANK, SENDER_RANK = 0, 1
 _SIZE = struct.Struct("<Q")  # a nccl LAYER frame's socket payload: the NCCL byte count
 
 
-def require_cuda(device: torch.device) -> None:
-    """Raise BackendUnavailableError unless `device` is a usable CUDA device."""
+def require_cuda(device: torch.device) -> torch.device:
+    """`device`; BackendUnavailableError unless it is a usable CUDA device."""
     if device.type != "cuda" or not torch.cuda.is_available():
         raise BackendUnavailableError(
             f"the nccl backend needs a CUDA device (got {device}, "
             f"torch.cuda.is_available()={torch.cuda.is_available()}); use shm or tcp on CPU"
         )
+    return device
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -138,8 +134,7 @@ class NcclLanding(_Nccl, Landing):
         buf = self._recv(conn, self.packed_bytes(n), exact=True)
         if header.has_crc:
             self.stream.synchronize()
-            if (crc := crc32([buf.cpu().numpy().data])) != header.crc:
-                raise ChecksumMismatchError(f"layer {header.layer}: crc32 {crc:#010x} mismatch")
+            check_crc(header.crc, [buf.cpu().numpy().data], f"layer {header.layer}")
         if not isinstance(ids := record.cache.get("dst_ids"), torch.Tensor):
             ids = record.cache["dst_ids"] = torch.tensor(record.block_ids, device=self.device)
         layer = header.layer

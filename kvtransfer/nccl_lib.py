@@ -2,9 +2,9 @@
 
 One NCCL, torch's (its CUDA build depends on the `nvidia-nccl-cu12`/`-cu13` wheel and maps
 it when imported; pdserve pins none). `libnccl.so.2` is searched: already mapped into this
-process (`/proc/self/maps`), the NVIDIA wheel's `nvidia/nccl/lib`, `torch/lib`, then the
-system loader. Importing needs neither CUDA nor NCCL; `load_nccl()` raises
-`BackendUnavailableError` naming every place it looked and what to install.
+process by torch (`/proc/self/maps`), next to torch (`torch/lib`), then the system loader.
+Importing needs neither CUDA nor NCCL; `load_nccl()` raises `BackendUnavailableError` naming
+every place it looked and what to install.
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
-import importlib.util
 import os
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
 
 from kvtransfer.base import BackendUnavailableError, KVTransferError
 
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libnccl.so.2"
+MAPS = "/proc/self/maps"  # where a process lists the libraries it mapped (torch's NCCL)
 NCCL_UINT8 = 1  # ncclDataType_t of the raw bytes we move
 
 
@@ -43,39 +45,16 @@ def loaded_libraries(maps: str) -> list[str]:
     return found
 
 
-def _process_maps() -> str:
-    if "torch" in sys.modules:  # torch's CUDA build maps its NCCL when imported
-        try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-                return maps.read()
-        except OSError:
-            pass
-    return ""
-
-
-def _package_dirs() -> list[str]:
-    """`nvidia/nccl/lib` under every `nvidia` namespace root on the import path."""
-    spec = importlib.util.find_spec("nvidia")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    return [os.path.join(root, "nccl", "lib") for root in roots]
-
-
-def candidate_paths(
-    maps: str | None = None,
-    package_dirs: Sequence[str] | None = None,
-    torch_lib_dir: str | None = None,
-) -> Iterator[str]:
+def candidate_paths(maps: str | None = None, torch_lib_dir: str | None = None) -> Iterator[str]:
     """Where `libnccl.so.2` may be, in the order of the module docstring: files that exist
     (each once), then the bare name for the system loader. The arguments default to this
-    process's maps, the installed `nvidia` packages and torch's `lib` directory."""
+    process's maps and torch's `lib` directory."""
+    if maps is None:
+        maps = Path(MAPS).read_text(errors="replace") if os.path.exists(MAPS) else ""
     if torch_lib_dir is None:
-        torch_spec = importlib.util.find_spec("torch")
-        origin = torch_spec.origin if torch_spec is not None else None
-        torch_lib_dir = os.path.join(os.path.dirname(origin), "lib") if origin else ""
-    directories = [*(_package_dirs() if package_dirs is None else package_dirs), torch_lib_dir]
-    found = loaded_libraries(_process_maps() if maps is None else maps)
-    for directory in filter(None, directories):
-        found += sorted(glob.glob(os.path.join(directory, "libnccl.so*")))
+        torch_lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    found = loaded_libraries(maps)
+    found += sorted(glob.glob(os.path.join(torch_lib_dir, "libnccl.so*"))) if torch_lib_dir else []
     seen: set[str] = set()
     for path in found:
         if (real := os.path.realpath(path)) not in seen:

@@ -12,6 +12,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from kernels.rowcopy import as_id_array, contiguous_runs
+from kvtransfer.base import ChecksumMismatchError
 
 
 def cache_rows(kv_cache: KVCache) -> np.ndarray:
@@ -25,6 +26,15 @@ def id_runs(block_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
     """Runs of consecutive block ids as `(first id, length)`, in order."""
     ids = as_id_array(block_ids)
     return [(int(ids[i]), k) for i, k in contiguous_runs(ids)]
+
+
+def record_runs(
+    cache: dict[str, object], block_ids: Sequence[int] | np.ndarray
+) -> list[tuple[int, int]]:
+    """`id_runs(block_ids)`, computed once per transfer and kept in its record's `cache`."""
+    if not isinstance(runs := cache.get("runs"), list):
+        runs = cache["runs"] = id_runs(block_ids)
+    return runs
 
 
 def layer_views(
@@ -44,6 +54,12 @@ def crc32(buffers: Iterable[memoryview]) -> int:
     for buffer in buffers:
         crc = zlib.crc32(buffer, crc)
     return crc
+
+
+def check_crc(expected: int, buffers: Iterable[memoryview], what: str) -> None:
+    """Raise ChecksumMismatchError unless the buffers' CRC32 is `expected` (the sender's)."""
+    if (crc := crc32(buffers)) != expected:
+        raise ChecksumMismatchError(f"{what}: crc32 {crc:#010x}, sender computed {expected:#010x}")
 
 
 def layer_crc(k_rows: np.ndarray, v_rows: np.ndarray, block_ids: Sequence[int]) -> int:

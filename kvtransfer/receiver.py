@@ -25,7 +25,6 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Protocol
 
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -131,7 +130,9 @@ class Receiver:
             raise ValueError(f"kv_cache spec {landing.kv_cache.spec} != receiver spec {spec}")
         self.backend, self.spec, self.options = landing.backend, spec, options
         self.epoch = new_epoch() if epoch is None else epoch
-        self._landing = landing
+        self.layout, self._landing = KVLayout.from_spec(spec, model_id), landing
+        self.kv_cache: KVCache = landing.kv_cache  # the destination (shm: shared memory)
+        self.endpoint: str = landing.endpoint  # the address senders connect to, in tickets
         self._table = TransferTable(
             release,
             release_on_done=False,
@@ -139,10 +140,8 @@ class Receiver:
             ttl_s=options.tombstone_ttl_s,
             fence=landing.fence,
         )
-        self.layout = KVLayout.from_spec(spec, model_id)
         ep = Endpoint("receiver", self.backend, options, self._table, self._terminate, self._sweep)
-        self._ep = ep
-        self._next_idle_check = 0.0
+        self._ep, self._next_idle_check = ep, 0.0
         landing.listener.settimeout(0.2)
         self._accept_thread = self._ep.start("accept", self._accept_loop)
 
@@ -151,16 +150,6 @@ class Receiver:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    @property
-    def kv_cache(self) -> KVCache:
-        """The destination cache (for `shm`, it lives in shared memory the receiver owns)."""
-        return self._landing.kv_cache
-
-    @property
-    def endpoint(self) -> str:
-        """Address senders connect to; copied into every ticket."""
-        return self._landing.endpoint
 
     def open_ticket(self, request_id: str, block_ids: Sequence[int], deadline_s: float) -> Ticket:
         """Called by decode after it reserved `block_ids` for a request. The transfer starts
@@ -284,8 +273,7 @@ class Receiver:
                     conn.fs.close()
                     continue
                 self._ep.connections.add(conn)
-            body, drop = partial(self._serve, conn), partial(self._drop, conn)
-            conn.thread = self._ep.start("recv", self._ep.serve, conn, body, drop)
+            conn.thread = self._ep.start("recv", self._ep.serve, conn, self._serve, self._drop)
 
     def _close_idle_connections(self) -> None:
         """Accept thread: cut idle connections without transfers (readers then drop them)."""
@@ -324,7 +312,7 @@ class Receiver:
         # Authenticated from here on (or no secret configured): refusals may say why.
         elif version != PROTOCOL_VERSION:
             refusal = ("refused", KVTransferError(f"protocol {version} != {PROTOCOL_VERSION}"))
-        elif diffs := self.layout.differences(_claimed_layout(hello)):
+        elif diffs := self.layout.differences(KVLayout.from_dict(hello.get("layout"))):
             logger.warning("sender %s: %s", conn.name, KVLayoutMismatchError(diffs, "receiver"))
             # the field names and the sender's own values; ours are not the peer's business
             withheld: dict[str, tuple[object, object]] = {
@@ -350,12 +338,9 @@ class Receiver:
         return True
 
     def _drop(self, conn: Connection) -> None:
-        """The connection's thread ends: fail its transfers, lift fences where the writer
-        stopped."""
-        conn.alive = False
-        conn.fs.close()
-        with self._ep.lock:
-            self._ep.connections.discard(conn)
+        """The connection's thread ends (`Endpoint.serve`): fail its transfers, lift fences
+        where the writer stopped."""
+        conn.fs.close()  # the sender sees EOF before our data path is torn down
         peer_closed = conn.state.get("peer_closed") is True
         for record in self._table.bound_to(conn):
             lost = PeerLostError(f"sender connection lost after {record.num_layers_done} layers")
@@ -452,11 +437,3 @@ class Receiver:
             self._table.finish(record.request_id, TransferState.DONE)
         if record.state is TransferState.DONE:
             conn.fs.send(Kind.RESULT, record.request_id, layer=TransferState.DONE.code)
-
-
-def _claimed_layout(hello: dict[str, object]) -> KVLayout:
-    """The layout a HELLO claims; a malformed one is a protocol error."""
-    try:
-        return KVLayout.from_dict(hello.get("layout"))
-    except TypeError:
-        raise ProtocolError("malformed layout in the handshake") from None

@@ -344,8 +344,7 @@ class Sender:
                 conn.fs.close()  # its reader thread drops it
             conn = self._handshake(endpoint, timeout_s)
             self._ep.connections.add(conn)
-        read, drop = lambda: self._ep.read(conn, self._dispatch), lambda: self._drop(conn)
-        conn.thread = self._ep.start("read", self._ep.serve, conn, read, drop)
+        conn.thread = self._ep.start("read", self._ep.serve, conn, self._read, self._drop)
         return conn
 
     def _handshake(self, endpoint: str, timeout_s: float) -> Connection:
@@ -390,17 +389,16 @@ class Sender:
         if kind is Kind.ABORT:
             conn.fs.send(Kind.ABORT_ACK, rid)
 
+    def _read(self, conn: Connection) -> None:
+        self._ep.read(conn, self._dispatch)
+
     def _drop(self, conn: Connection) -> None:
-        conn.alive = False
+        """Before `Endpoint.serve` closes it: stop writing, as the receiver frees a live
+        sender's blocks when it sees the connection close (shm: we write its memory)."""
         lost = PeerLostError(f"connection to receiver {conn.name} lost")
-        # Stop writing before closing: the receiver frees the blocks of a live sender's
-        # transfers when it sees the connection close (shm: we write its memory).
         for record in self._table.bound_to(conn):
             with record.write_lock:
                 self._table.finish(record.request_id, TransferState.FAILED, lost)
-        conn.fs.close()
-        with self._ep.lock:
-            self._ep.connections.discard(conn)
         for pending in list(conn.pending.values()):
             _resolve(pending, lost)
         self._writing.disconnected(conn)

@@ -30,13 +30,8 @@ import torch
 from engine.kv_cache import KVCache, KVCacheSpec
 from kernels import rowcopy
 from kernels.rowcopy import CopyPlan, block_rows
-from kvtransfer.base import (
-    BackendUnavailableError,
-    ChecksumMismatchError,
-    KVTransferError,
-    PeerLostError,
-)
-from kvtransfer.payload import cache_rows, crc32, id_runs, layer_views
+from kvtransfer.base import BackendUnavailableError, KVTransferError, PeerLostError
+from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
 from kvtransfer.receiver import Landing
 from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
@@ -184,16 +179,10 @@ class ShmLanding(Landing):
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
         """The layer is in place; with checksums on, verify what the blocks now hold."""
-        if not header.has_crc:
-            return
-        if not isinstance(runs := record.cache.get("runs"), list):
-            runs = record.cache["runs"] = id_runs(record.block_ids)
-        rows = self._rows[header.layer]
-        if (crc := crc32(layer_views(rows[0], rows[1], runs))) != header.crc:
-            raise ChecksumMismatchError(
-                f"layer {header.layer} of {record.request_id!r}: crc32 {crc:#010x} in "
-                f"the destination blocks, sender computed {header.crc:#010x}"
-            )
+        if header.has_crc:
+            runs, rows = record_runs(record.cache, record.block_ids), self._rows[header.layer]
+            where = f"layer {header.layer} of {record.request_id!r} in the destination blocks"
+            check_crc(header.crc, layer_views(rows[0], rows[1], runs), where)
 
     def writer_running(self, conn: Connection) -> bool:
         """Whether the sender process, known from the kernel when it connected, still runs."""
@@ -294,7 +283,7 @@ class ShmWriting(Writing):
             plan = record.cache["plan"] = CopyPlan.build(
                 item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer
             )
-            record.cache["runs"] = id_runs(item.src_ids)
+            record_runs(record.cache, item.src_ids)
             record.cache["streaming"] = rowcopy.worth_streaming(
                 len(dst_ids) * self.spec.bytes_per_block
             )

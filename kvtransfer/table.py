@@ -63,11 +63,9 @@ class TransferTable:
         ttl_s: float = 120.0,
         fence: Callable[[], None] | None = None,
     ) -> None:
-        self._release = release
+        self._release, self._release_on_done = release, release_on_done
         self._fence = fence  # e.g. wait for a GPU stream still writing the blocks
-        self._release_on_done = release_on_done
-        self._fence_timeout_s = fence_timeout_s
-        self._ttl_s = ttl_s
+        self._fence_timeout_s, self._ttl_s = fence_timeout_s, ttl_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._records: dict[str, TransferRecord] = {}
@@ -212,14 +210,12 @@ class TransferTable:
         """
         now = time.monotonic()
         with self._lock:
+            records = self._records.values()
             stuck = [
-                r
-                for r in self._records.values()
-                if r.fenced and not r.quarantined and r.fence_deadline <= now
+                r for r in records if r.fenced and not r.quarantined and r.fence_deadline <= now
             ]
-            for rid, r in list(self._records.items()):
-                if r.released and r.ended_at + self._ttl_s <= now:
-                    del self._records[rid]
+            for r in [r for r in records if r.released and r.ended_at + self._ttl_s <= now]:
+                del self._records[r.request_id]
         for r in stuck:
             try:
                 release_now = on_fence_timeout is None or on_fence_timeout(r)

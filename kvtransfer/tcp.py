@@ -14,8 +14,7 @@ import socket
 
 from engine.kv_cache import KVCache
 from kernels.rowcopy import block_rows
-from kvtransfer.base import ChecksumMismatchError
-from kvtransfer.payload import cache_rows, crc32, id_runs, layer_views
+from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
 from kvtransfer.receiver import Landing
 from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
@@ -82,19 +81,14 @@ class TcpLanding(Landing):
         return 2 * num_blocks * self.kv_cache.spec.bytes_per_block_per_layer
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
-        if not isinstance(runs := record.cache.get("runs"), list):
-            runs = record.cache["runs"] = id_runs(record.block_ids)
-        rows = self._rows[header.layer]
+        runs, rows = record_runs(record.cache, record.block_ids), self._rows[header.layer]
         with record.write_lock:
             if record.state.is_terminal:
                 return conn.fs.discard(header.nbytes)
             views = layer_views(rows[0], rows[1], runs)
             conn.fs.recv_into(*views)
-            if header.has_crc and (crc := crc32(views)) != header.crc:
-                raise ChecksumMismatchError(
-                    f"layer {header.layer} of {record.request_id!r}: payload crc32 {crc:#010x}, "
-                    f"sender computed {header.crc:#010x}"
-                )
+            if header.has_crc:
+                check_crc(header.crc, views, f"layer {header.layer} of {record.request_id!r}")
 
 
 class TcpWriting(Writing):
@@ -125,6 +119,5 @@ class TcpWriting(Writing):
     def payload(self, record: TransferRecord, item: LayerItem) -> list[memoryview]:
         """The layer's LAYER payload as views into the source cache (no copy)."""
         assert item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
-        if not isinstance(runs := record.cache.get("runs"), list):
-            runs = record.cache["runs"] = id_runs(item.src_ids)
+        runs = record_runs(record.cache, item.src_ids)
         return layer_views(block_rows(item.k_cache), block_rows(item.v_cache), runs)

@@ -133,7 +133,7 @@ class FrameSocket:
         magic, kind, flags, rid_len, layer, epoch, nbytes, crc = _HEADER.unpack(raw)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic:#x}: not a pdserve KV peer")
-        if kind not in _KINDS:
+        if kind not in list(Kind):
             raise ProtocolError(f"unknown frame kind {kind}")
         rid = bytearray(rid_len)  # u16: at most 64 KiB
         self.recv_into(memoryview(rid))
@@ -206,17 +206,15 @@ class Connection:
     path's per-connection state (the shm mapping, the NCCL communicator and staging)."""
 
     def __init__(self, fs: FrameSocket, name: str) -> None:
-        self.fs = fs
-        self.name = name  # the receiver's endpoint (sender side) or the socket's fd
-        self.alive = True
+        # `name`: the receiver's endpoint (sender side) or the socket's fd
+        self.fs, self.name, self.alive = fs, name, True
         self.last_used = time.monotonic()  # last frame read or (sender) use
         self.thread: threading.Thread | None = None  # reads this connection's frames
         self.state: dict[str, object] = {}  # data path's per-connection state
         # Sender side: the receiver's WELCOME, its incarnation and cache size, and BEGINs
         # awaiting an answer.
         self.welcome: dict[str, object] = {}
-        self.epoch = 0
-        self.num_blocks = 0
+        self.epoch, self.num_blocks = 0, 0
         self.pending: dict[str, Future[None]] = {}
 
     def send_abort(
@@ -225,9 +223,6 @@ class Connection:
         """Tell the peer `rid` ended (best effort: a lost peer needs no telling)."""
         with contextlib.suppress(PeerLostError):
             self.fs.send_json(Kind.ABORT, rid, error_to_wire(error), epoch=epoch, layer=state.code)
-
-
-_KINDS = frozenset(int(k) for k in Kind)
 
 
 def _advance(views: list[memoryview], i: int, nbytes: int) -> int:

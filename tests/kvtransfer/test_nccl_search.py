@@ -20,7 +20,7 @@ def maps_line(path: str) -> str:
     return f"7f00c0000000-7f00c1000000 r-xp 00000000 103:02 4242   {path}"
 
 
-def test_the_library_torch_loaded_comes_first_then_wheel_then_torch_lib(tmp_path: Path) -> None:
+def test_the_library_torch_loaded_comes_first_then_torch_lib(tmp_path: Path) -> None:
     loaded = fake_library(tmp_path / "site" / "nvidia" / "nccl" / "lib")
     other_wheel = fake_library(tmp_path / "other" / "nvidia" / "nccl" / "lib")
     torch_lib = fake_library(tmp_path / "torch" / "lib")
@@ -35,20 +35,19 @@ def test_the_library_torch_loaded_comes_first_then_wheel_then_torch_lib(tmp_path
     paths = list(
         nccl_lib.candidate_paths(
             maps=maps,
-            package_dirs=[str(Path(loaded).parent), str(Path(other_wheel).parent)],
             torch_lib_dir=str(Path(torch_lib).parent),
         )
     )
-    # the loaded file once (not again as the wheel's), the other wheel, torch/lib, the loader
-    assert paths == [loaded, other_wheel, torch_lib, nccl_lib.LIBRARY_NAME]
+    # the loaded file once, torch/lib, the loader; an unloaded wheel is not searched
+    assert paths == [loaded, torch_lib, nccl_lib.LIBRARY_NAME]
+    assert other_wheel not in paths
 
 
-def test_without_torch_having_loaded_nccl_the_wheel_is_first(tmp_path: Path) -> None:
-    wheel = fake_library(tmp_path / "nvidia" / "nccl" / "lib")
-    paths = list(
-        nccl_lib.candidate_paths(maps="", package_dirs=[str(Path(wheel).parent)], torch_lib_dir="")
-    )
-    assert paths == [wheel, nccl_lib.LIBRARY_NAME]
+def test_without_torch_having_loaded_nccl_torch_lib_is_first(tmp_path: Path) -> None:
+    torch_lib = fake_library(tmp_path / "torch" / "lib")
+    paths = list(nccl_lib.candidate_paths(maps="", torch_lib_dir=str(Path(torch_lib).parent)))
+    assert paths == [torch_lib, nccl_lib.LIBRARY_NAME]
+    assert list(nccl_lib.candidate_paths(maps="", torch_lib_dir="")) == [nccl_lib.LIBRARY_NAME]
 
 
 def test_maps_parsing_keeps_only_nccl_paths() -> None:
