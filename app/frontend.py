@@ -198,9 +198,6 @@ class Frontend:
         except BadRequestError as exc:  # empty or too long
             exc.param = exc.param or prompt_param
             raise
-        # Adaptive disaggregation (`app/admission/adaptive.py`): before shedding, so a prompt
-        # the prefill pool would be late for is prefilled locally rather than refused.
-        route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
         self.check_params(params)
         model = self.model_config
         try:
@@ -211,6 +208,10 @@ class Frontend:
             error = bad_request(exc)
             error.param = error.param or (prompt_param if str(exc).startswith("prompt") else None)
             raise error from None
+        # Adaptive disaggregation (`app/admission/adaptive.py`): after the checks (it counts
+        # the tokens it sends to a pool), before shedding, so a prompt the prefill pool would
+        # be late for is prefilled locally rather than refused.
+        route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)

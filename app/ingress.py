@@ -421,6 +421,7 @@ class Ingress:
             prompt_ids,
             params,
             1,
+            prompt_param="prompt" if request.prompt is not None else "prompt_token_ids",
             slo_class=request.slo_class,
             timeout_s=request.timeout,
         )

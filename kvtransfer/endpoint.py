@@ -93,10 +93,12 @@ class Endpoint:
             logger.exception("%s connection %s failed", self.role, conn.name)
         finally:
             conn.alive = False
-            drop(conn)
-            conn.fs.close()
-            with self.lock:
-                self.connections.discard(conn)
+            try:
+                drop(conn)
+            finally:  # even when the data path's `disconnected` raises
+                conn.fs.close()
+                with self.lock:
+                    self.connections.discard(conn)
 
     @staticmethod
     def read(conn: Connection, dispatch: Callable[[Connection, Header], None]) -> None:

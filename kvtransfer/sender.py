@@ -37,6 +37,7 @@ from kvtransfer.base import (
     KVLayoutMismatchError,
     KVTransferError,
     PeerLostError,
+    PeerTimeoutError,
     ProtocolError,
     ReleaseFn,
     StaleEpochError,
@@ -127,6 +128,7 @@ class Sender:
         self._table = TransferTable(release, release_on_done=True, ttl_s=options.tombstone_ttl_s)
         self._ep = Endpoint("sender", writing.backend, options, self._table, self._terminate)
         self._records_lock = threading.Lock()
+        self._connecting: dict[str, threading.Lock] = {}  # one handshake per endpoint
         self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
         self._worker = self._ep.start("worker", self._work)
 
@@ -309,6 +311,7 @@ class Sender:
 
     def _begin(self, conn: Connection, record: TransferRecord, ticket: Ticket) -> None:
         """Bind the transfer to `conn` (BEGIN) once; every caller waits for the ACCEPT."""
+        send_begin = False
         with self._records_lock:
             accepted = record.cache.get("accepted")
             if not isinstance(accepted, Future):
@@ -320,7 +323,11 @@ class Sender:
                 accepted = record.cache["accepted"] = conn.pending[ticket.request_id] = Future()
                 if not self._table.bind(record, conn):
                     return  # ended meanwhile
-                conn.fs.send(Kind.BEGIN, ticket.request_id, epoch=ticket.epoch)
+                send_begin = True
+        # Outside the records lock: a receiver slow to read stalls only this transfer. An
+        # ABORT that overtakes this BEGIN is one the receiver handles (nothing to bind).
+        if send_begin:
+            conn.fs.send(Kind.BEGIN, ticket.request_id, epoch=ticket.epoch)
         try:
             accepted.result(timeout=max(0.0, min(self.options.io_timeout_s, ticket.seconds_left())))
         except TimeoutError:
@@ -329,23 +336,45 @@ class Sender:
             conn.pending.pop(ticket.request_id, None)
 
     def _connection(self, endpoint: str, timeout_s: float) -> Connection:
+        """The live connection to `endpoint`, or a new one. The handshake runs under that
+        endpoint's own lock, not the endpoint-wide one: a slow receiver delays only the
+        transfers bound for it."""
         with self._ep.lock:
-            now = time.monotonic()
-            for conn in self._ep.connections:
-                if conn.name != endpoint or not conn.alive:
-                    continue
-                # The receiver closes connections idle for `idle_timeout_s`; replace ours at
-                # half that, so a BEGIN never races its close.
-                stale = now - conn.last_used > self.options.idle_timeout_s / 2
-                if not stale or self._table.bound_to(conn):
-                    conn.last_used = now
-                    return conn
-                conn.alive = False
-                conn.fs.close()  # its reader thread drops it
+            conn = self._reusable(endpoint)
+            connecting = self._connecting.setdefault(endpoint, threading.Lock())
+        if conn is not None:
+            return conn
+        if not connecting.acquire(timeout=max(0.0, timeout_s)):
+            raise PeerTimeoutError(f"another handshake with {endpoint} did not finish in time")
+        try:
+            with self._ep.lock:
+                conn = self._reusable(endpoint)
+            if conn is not None:  # someone else connected while we waited
+                return conn
             conn = self._handshake(endpoint, timeout_s)
-            self._ep.connections.add(conn)
+            with self._ep.lock:
+                self._ep.connections.add(conn)
+        finally:
+            connecting.release()
         conn.thread = self._ep.start("read", self._ep.serve, conn, self._read, self._drop)
         return conn
+
+    def _reusable(self, endpoint: str) -> Connection | None:
+        """A live, recently used connection to `endpoint` (caller holds `_ep.lock`); stale
+        idle ones are closed on the way."""
+        now = time.monotonic()
+        for conn in self._ep.connections:
+            if conn.name != endpoint or not conn.alive:
+                continue
+            # The receiver closes connections idle for `idle_timeout_s`; replace ours at
+            # half that, so a BEGIN never races its close.
+            stale = now - conn.last_used > self.options.idle_timeout_s / 2
+            if not stale or self._table.bound_to(conn):
+                conn.last_used = now
+                return conn
+            conn.alive = False
+            conn.fs.close()  # its reader thread drops it
+        return None
 
     def _handshake(self, endpoint: str, timeout_s: float) -> Connection:
         try:
