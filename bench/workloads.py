@@ -255,8 +255,12 @@ WORKLOAD_PRESETS: dict[str, tuple[tuple[str, str], dict[str, float]]] = {
     "mixed": (("short", "long"), {"long_share": 0.15}),
     # short prompts only, judged by a tight TPOT
     "chat": (("chat", "long"), {"long_share": 0.0}),
-    # RAG-like: long prompts, short answers; TTFT-bound
-    "long-context": (("short", "long"), {"long_share": 1.0, "long_output_len": 16}),
+    # RAG-like: long prompts, short answers; TTFT-bound. Prompt + answer fit a 4096-token
+    # context (the built-in models'), so the longest prompt is 4080.
+    "long-context": (
+        ("short", "long"),
+        {"long_share": 1.0, "long_output_len": 16, "long_input_max": 4080},
+    ),
     # an interactive tenant (chat turns) and a batch tenant (long documents), each judged by
     # its own class's SLOs (`PER_CLASS_SLO`)
     "multi-tenant": (("interactive", "batch"), {"long_share": 0.25}),
