@@ -67,17 +67,25 @@ SloPlan = dict[str, SLO]  # by class label
 Slos = tuple[SloPlan, SLO | None, str]  # every class's SLO, the shared one (if so), how
 
 
-def measure_isolated(target: Target, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    """Median TTFT/TPOT (ms) of each class, requests sent one at a time (no contention)."""
+def measure_isolated(
+    target: Target, args: argparse.Namespace, seed: int, phase: int = 0
+) -> dict[str, Any]:
+    """Median TTFT/TPOT (ms) of each class, requests sent one at a time (no contention).
+
+    Every prompt is new to the server (`phase` 0 before the knee search, 1 after it draws
+    other prompts), and the warm-up request is one more new prompt: a repeated prompt would
+    hit the prefix cache and measure a shorter prefill than the workload's."""
     import numpy as np
 
-    rng = np.random.default_rng(seed + 1)
+    rng = np.random.default_rng([seed + 1, phase])
     out: dict[str, Any] = {}
     for label, shape in class_shapes(args).items():
+        warm = [ScheduledRequest(0, 0.0, shape.sample(rng))]
+        run_load_sync(target, warm, concurrency=1, warmup=0, progress=False)
         requests = [
             ScheduledRequest(i, 0.0, shape.sample(rng)) for i in range(args.isolated_repeats)
         ]
-        result = run_load_sync(target, requests, concurrency=1, warmup=1, progress=False)
+        result = run_load_sync(target, requests, concurrency=1, warmup=0, progress=False)
         done = [r for r in result.records if r.success]
         ttfts = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
         tpots = [r.tpot_s * 1000 for r in done if r.tpot_s is not None]
@@ -191,7 +199,7 @@ def run_once(
             return value
 
         search = find_knee(attainment_at, rate_start, args.target, args.tolerance, args.max_points)
-        iso_after, host_after = measure_isolated(target, seeded, seed), quiet.host_state()
+        iso_after, host_after = measure_isolated(target, seeded, seed, 1), quiet.host_state()
     moved = quiet.drift(iso_before, iso_after)
     run = {
         "config": name,
