@@ -171,6 +171,12 @@ def point(
     }
 
 
+def point_seed(seed: int, points: list[dict[str, Any]]) -> int:
+    """The workload seed of the next knee point of a run at `seed`: distinct for every point
+    of every seed, the same for the k-th point of every config."""
+    return 1000 * (seed + 1) + len(points)
+
+
 def run_once(
     name: str, seed: int, args: argparse.Namespace, slos: Slos | None, rate_start: float, bar: tqdm
 ) -> tuple[dict[str, Any], Slos]:
@@ -189,7 +195,10 @@ def run_once(
 
         def attainment_at(rate: float) -> float:
             bar.set_postfix_str(f"{name} seed {seed} rate {rate:.3g}")
-            requests = requests_from_args(seeded, rate, 0.0, args.requests_per_point)
+            # New prompts at every point (the k-th point of every config gets the same ones):
+            # repeating a point's prompts would let the prefix cache serve their prefill.
+            point_args = argparse.Namespace(**{**vars(seeded), "seed": point_seed(seed, points)})
+            requests = requests_from_args(point_args, rate, 0.0, args.requests_per_point)
             progress = not args.no_progress
             result = run_load_sync(target, requests, args.concurrency, 1, progress, name)
             points.append({"rate": rate, **point(result, plan, shared, target, args.confidence)})

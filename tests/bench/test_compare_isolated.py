@@ -1,6 +1,7 @@
-"""`bench.compare.measure_isolated` sends only prompts the server has not seen: a repeated
-prompt would hit the prefix cache and measure a shorter prefill (before this, the figures
-after a run "drifted" 55-70% from those before it on long prompts for that reason alone)."""
+"""`bench.compare` sends only prompts the server has not seen, in isolated requests and at
+every knee point: a repeated prompt would hit the prefix cache and measure a shorter prefill
+(before this, isolated figures after a run "drifted" 55-70% from those before it on long
+prompts for that reason alone)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def test_isolated_prompts_are_all_new(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(before) == {"short", "long"}
     assert len(sent) == 2 * 2 * (1 + 3)  # 2 phases x 2 classes x (warm-up + repeats)
     assert len(set(sent)) == len(sent)
+
+
+def test_every_knee_point_draws_new_prompts() -> None:
+    # The k-th point of every config shares a seed (paired comparison); no two points of a
+    # run, or of two seeds, do (the prefix cache would serve a repeated point's prefill).
+    seeds = [compare.point_seed(seed, [{}] * k) for seed in range(3) for k in range(10)]
+    assert len(set(seeds)) == len(seeds)
+    assert compare.point_seed(1, [{}, {}]) == compare.point_seed(1, [{"rate": 2.0}] * 2)
