@@ -26,7 +26,8 @@ TTFT, TPOT = `--k-tpot` x the fastest class's TPOT. Per class (multi-tenant): ea
 looser; a point's attainment is then the lowest class's.
 
 The JSON holds per config the mean goodput with spread and interval, `ratio` (first config /
-baseline) with `ratio_ci` (low, high), `ratios` of every config to the baseline, every run
+baseline) with `ratio_ci` (low, high) and, paired by seed, `ratio_ci_paired`, `ratios` of
+every config to the baseline (with `per_seed_ratio`), every run
 (host state, drift, points with records). PNGs beside it (or in `--plots-dir`): attainment vs
 rate with bands, goodput per config, TTFT/TPOT/ITL CDFs; `--replot` redraws them.
 

@@ -6,7 +6,8 @@ the spread and a bootstrap interval, and for every other config the ratio of its
 to the baseline's (the last config) with a bootstrap interval: each draw resamples the runs
 of both configs and every point's attainment from its request counts (`bench/knee.py`
 `resampled_goodput`), so the interval covers seed-to-seed and within-point variation.
-`ratio`/`ratio_ci` at the top level are the first config's.
+`ratio`/`ratio_ci` at the top level are the first config's. When two configs ran the same
+seeds, `per_seed_ratio` and `ratio_ci_paired` pair them by seed (`paired_ratio`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,15 @@ def aggregate(
         ratios[name] = {
             "ratio": mean / base_mean if base_mean else None,
             "ratio_ci": list(bootstrap_interval(draw, num_resamples, confidence)),
+            **paired_ratio(
+                used[name],
+                used[baseline],
+                counts[name],
+                counts[baseline],
+                target,
+                num_resamples,
+                confidence,
+            ),
         }
     first = ratios.get(names[0], {"ratio": None, "ratio_ci": [None, None]})
     return {
@@ -86,8 +96,41 @@ def aggregate(
         "ratios": ratios,
         "ratio": first["ratio"],
         "ratio_ci": first["ratio_ci"],
+        "ratio_ci_paired": first.get("ratio_ci_paired"),
         "confidence": confidence,
         "excluded_noisy": exclude_noisy,
+    }
+
+
+def paired_ratio(
+    runs: Sequence[Run],
+    base_runs: Sequence[Run],
+    counts: list[list[PointCounts]],
+    base_counts: list[list[PointCounts]],
+    target: float,
+    num_resamples: int,
+    confidence: float,
+) -> dict[str, Any]:
+    """The ratio paired by seed, when both configs ran the same seeds: at one seed they saw
+    the same requests, so a swing every config shares (the host, the seed's requests) cancels.
+    `per_seed_ratio` lists each seed's; `ratio_ci_paired` resamples seeds jointly (the same
+    picks for both configs) and every point's attainment from its counts. Empty otherwise."""
+    seeds = [run.get("seed") for run in runs]
+    if not seeds or None in seeds or seeds != [run.get("seed") for run in base_runs]:
+        return {}
+
+    def draw(rng: Any) -> float:
+        picks = rng.integers(0, len(seeds), size=len(seeds))
+        low = resampled_goodput(base_counts, target, rng, picks)
+        return resampled_goodput(counts, target, rng, picks) / low if low > 0 else math.inf
+
+    pairs = zip(runs, base_runs, strict=True)
+    return {
+        "per_seed_ratio": [
+            a["goodput"]["goodput"] / b["goodput"]["goodput"] if b["goodput"]["goodput"] else None
+            for a, b in pairs
+        ],
+        "ratio_ci_paired": list(bootstrap_interval(draw, num_resamples, confidence)),
     }
 
 

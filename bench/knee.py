@@ -132,12 +132,16 @@ class PointCounts:
 
 
 def resampled_goodput(
-    runs: Sequence[Sequence[PointCounts]], target: float, rng: np.random.Generator
+    runs: Sequence[Sequence[PointCounts]],
+    target: float,
+    rng: np.random.Generator,
+    picks: np.ndarray | None = None,
 ) -> float:
     """One bootstrap draw of the mean goodput over `runs` (one per seed): the runs are
-    resampled with replacement, and each point's per-class attainment redrawn from a
-    binomial with its observed share and count."""
-    picks = rng.integers(0, len(runs), size=len(runs))
+    resampled with replacement (or `picks`, the run indices of a paired draw), and each
+    point's per-class attainment redrawn from a binomial with its observed share and count."""
+    if picks is None:
+        picks = rng.integers(0, len(runs), size=len(runs))
     total = 0.0
     for pick in picks:
         points = []

@@ -174,3 +174,22 @@ def test_aggregate_handles_three_configs_and_noisy_runs() -> None:
     assert out["ratios"]["b"]["ratio"] == pytest.approx(1.6 / 1.1)
     kept = aggregate(runs, ["a", "b", "base"], 0.9, num_resamples=200)
     assert len(kept["goodput"]["a"]["per_run"]) == 2
+
+
+def test_paired_ratio_cancels_a_swing_every_config_shares() -> None:
+    # Each seed moves both configs (its requests, the host): A is 2x B at every seed.
+    runs = {
+        "a": [{**fake_run(2.0 * k, 4.0 * k), "seed": k} for k in (1, 2, 3)],
+        "b": [{**fake_run(1.0 * k, 2.0 * k), "seed": k} for k in (1, 2, 3)],
+    }
+    out = aggregate(runs, ["a", "b"], 0.9, num_resamples=500)
+    ratios = out["ratios"]["a"]
+    assert ratios["per_seed_ratio"] == pytest.approx([2.0, 2.0, 2.0])
+    assert out["ratio_ci_paired"] == pytest.approx([2.0, 2.0])  # no noise left to resample
+    low, high = out["ratio_ci"]  # unpaired: seeds drawn apart, the swing widens it
+    assert low < 1.5 and high > 3.0
+    # Different seeds: nothing to pair.
+    runs["b"] = [{**run, "seed": run["seed"] + 10} for run in runs["b"]]
+    assert (
+        "ratio_ci_paired" not in aggregate(runs, ["a", "b"], 0.9, num_resamples=50)["ratios"]["a"]
+    )
