@@ -443,7 +443,7 @@ def test_handle_api_validates_like_http(server: Server) -> None:
         ({"min_tokens": 5, "max_tokens": 4}, BadRequestError, "min_tokens"),
         ({"temperature": float("nan")}, BadRequestError, "temperature"),
         ({"stop": ["a"] * 5}, BadRequestError, "stop"),
-        ({"prompt_token_ids": [VOCAB_SIZE], "prompt": None}, BadRequestError, "prompt"),
+        ({"prompt_token_ids": [VOCAB_SIZE], "prompt": None}, BadRequestError, "prompt_token_ids"),
         ({"api_key": "sk-wrong"}, AuthenticationError, None),
     ]
     for fields, error_class, param in bad:
