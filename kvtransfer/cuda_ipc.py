@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from engine.kv_cache import KVCache, KVCacheSpec
 from kernels.rowcopy import matched_runs
 from kvtransfer import base
-from kvtransfer.nccl import resolve_device
+from kvtransfer.nccl import layer_computed, resolve_device
 from kvtransfer.receiver import Landing
 from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.shm import PeerProcess
@@ -175,10 +175,7 @@ class CudaIpcWriting(Writing):
         return index
 
     def ready(self, k_cache: torch.Tensor) -> object | None:
-        """A CUDA event after the layer's compute: the side stream waits on it."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(k_cache.device))
-        return event
+        return layer_computed(k_cache)
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool

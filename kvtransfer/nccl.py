@@ -41,6 +41,14 @@ def require_cuda(device: torch.device) -> torch.device:
     return device
 
 
+def layer_computed(k_cache: torch.Tensor) -> torch.cuda.Event:
+    """`Writing.ready` of the CUDA data paths (nccl, cuda_ipc): an event recorded after the
+    layer's compute on the current stream, which their copy stream waits on."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(k_cache.device))
+    return event
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """`device`, else the current CUDA device, else the CPU (which `require_cuda` refuses)."""
     if device is not None:
@@ -178,10 +186,7 @@ class NcclWriting(_Nccl, Writing):
         self.join(conn, unique_id, SENDER_RANK)
 
     def ready(self, k_cache: torch.Tensor) -> object | None:
-        """A CUDA event after the layer's compute: the side stream waits on it."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(k_cache.device))
-        return event
+        return layer_computed(k_cache)
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
