@@ -130,6 +130,15 @@ def pool_stats(server: Server) -> dict[str, dict[str, Any]]:
     return dict(server.stats()["pools"])
 
 
+def wait_running(server: Server, pool: str, count: int, timeout_s: float = 30.0) -> None:
+    """Wait until `pool` reports at least `count` running requests."""
+    deadline = time.monotonic() + timeout_s
+    while (running := pool_stats(server)[pool]["num_running"]) < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{pool} runs {running} requests after {timeout_s}s, expected {count}")
+        time.sleep(0.05)
+
+
 def assert_quiescent(server: Server, timeout_s: float = 30.0) -> None:
     """No request left in any pool (running, waiting, waiting for KV) and every block free."""
     deadline = time.monotonic() + timeout_s
@@ -305,6 +314,9 @@ def test_decode_sigkilled_mid_stream(server: Server, hf: HFGreedy) -> None:
         events = stream_events(server, short_prompt(501), 1000)
         first = next(events)
         assert _has_text(first) or "choices" in first, first
+        # Both requests must be on the decode replica when it dies, or the non-streaming one
+        # may reach the replacement and be served (200) instead of losing its replica.
+        wait_running(server, "decode", 2)
         assert not blocking.done(), "the non-streaming request finished before the kill"
         assert signal_pid(pid, signal.SIGKILL)
         rest = list(events)  # ends (read timeout 30 s would raise: a hung stream)
