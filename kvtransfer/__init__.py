@@ -35,8 +35,9 @@ from kvtransfer.base import (
     TransferState,
     UnknownTransferError,
 )
-from kvtransfer.receiver import Landing, Receiver
-from kvtransfer.sender import Sender, Writing
+from kvtransfer.datapath import Landing, Writing
+from kvtransfer.receiver import Receiver
+from kvtransfer.sender import Sender
 from kvtransfer.tcp import is_loopback
 
 BACKENDS = ("cuda_ipc", "nccl", "shm", "tcp")

@@ -19,21 +19,27 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
+from collections.abc import Callable
 
 from kvtransfer.base import (
     AuthenticationError,
     KVLayout,
+    KVLayoutMismatchError,
     KVTransferError,
     PeerLostError,
     ProtocolError,
     error_from_wire,
+    error_to_wire,
 )
 from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Kind
 
 AUTH_FAILED = "authentication failed"  # the whole refusal an unauthenticated peer gets
 _HELLO_LABEL = b"pdserve-kv-hello/v2"
 _WELCOME_LABEL = b"pdserve-kv-welcome/v2"
+
+logger = logging.getLogger(__name__)
 
 
 def new_nonce() -> str:
@@ -96,6 +102,51 @@ def sender_handshake(
             f"receiver at {endpoint} could not prove it holds the shared secret"
         )
     return body
+
+
+def receiver_handshake(
+    fs: FrameSocket,
+    peer: str,
+    layout: KVLayout,
+    secret: str | None,
+    welcome_facts: Callable[[], dict[str, object]],
+) -> tuple[str, KVTransferError] | None:
+    """Called by a receiver on an accepted connection (reads already time-limited): send
+    CHALLENGE, check the HELLO (proof of `secret` first, then version and `layout`), and
+    answer WELCOME with `welcome_facts()` and our proof. A refused sender is sent REFUSE;
+    returns why, as `(refusal counter, error)`, or None once WELCOME is sent."""
+    nonce = new_nonce()
+    fs.send_json(
+        Kind.CHALLENGE,
+        "",
+        {"version": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None},
+    )
+    _, hello = expect(fs, (Kind.HELLO,), f"sender {peer}")
+    fs.limit_reads(None)
+    if not isinstance(nonce_s := hello.get("nonce"), str):
+        raise ProtocolError("HELLO without a nonce")
+    version = hello.get("version")
+    refusal: tuple[str, KVTransferError] | None = None
+    if secret is not None and not verify(hello_mac(secret, nonce, nonce_s, hello), hello):
+        refusal = ("auth_failed", AuthenticationError(AUTH_FAILED))
+    # Authenticated from here on (or no secret configured): refusals may say why.
+    elif version != PROTOCOL_VERSION:
+        refusal = ("refused", KVTransferError(f"protocol {version} != {PROTOCOL_VERSION}"))
+    elif diffs := layout.differences(KVLayout.from_dict(hello.get("layout"))):
+        logger.warning("sender %s: %s", peer, KVLayoutMismatchError(diffs, "receiver"))
+        # the field names and the sender's own values; ours are not the peer's business
+        withheld: dict[str, tuple[object, object]] = {
+            k: ("(not disclosed)", b) for k, (_, b) in diffs.items()
+        }
+        refusal = ("refused", KVLayoutMismatchError(withheld, "receiver", "sender"))
+    if refusal is not None:
+        fs.send_json(Kind.REFUSE, "", error_to_wire(refusal[1]))
+        return refusal
+    welcome: dict[str, object] = {"layout": layout.to_dict(), **welcome_facts()}
+    if secret is not None:
+        welcome["mac"] = welcome_mac(secret, nonce, nonce_s, welcome)
+    fs.send_json(Kind.WELCOME, "", welcome)
+    return None
 
 
 def expect(fs: FrameSocket, kinds: tuple[Kind, ...], peer: str) -> tuple[Kind, dict[str, object]]:

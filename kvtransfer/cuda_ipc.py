@@ -29,9 +29,8 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from engine.kv_cache import KVCache, KVCacheSpec
 from kernels.rowcopy import matched_runs
 from kvtransfer import base
+from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.nccl import layer_computed, resolve_device
-from kvtransfer.receiver import Landing
-from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.shm import PeerProcess
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header, Kind

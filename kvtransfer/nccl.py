@@ -19,10 +19,9 @@ import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import BackendUnavailableError, PeerLostError, ProtocolError
+from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.nccl_lib import load_nccl
 from kvtransfer.payload import check_crc, crc32
-from kvtransfer.receiver import Landing
-from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
 from kvtransfer.tcp import connect, listen
 from kvtransfer.wire import Connection, Header, Kind

@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Sequence
-from typing import Protocol
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import auth
 from kvtransfer.base import (
-    AuthenticationError,
     KVLayout,
-    KVLayoutMismatchError,
     KVTransferError,
     PeerLostError,
     ProtocolError,
@@ -47,11 +43,11 @@ from kvtransfer.base import (
     error_to_wire,
     new_epoch,
 )
+from kvtransfer.datapath import Landing
 from kvtransfer.endpoint import Endpoint
 from kvtransfer.table import TransferRecord, TransferTable
 from kvtransfer.wire import (
     MAX_CONTROL_BYTES,
-    PROTOCOL_VERSION,
     Connection,
     FrameSocket,
     Header,
@@ -59,55 +55,6 @@ from kvtransfer.wire import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class Landing(Protocol):
-    """A backend's receiving data path, held by one `Receiver` (which calls every method);
-    backends subclass it to inherit the optional steps, which default to nothing."""
-
-    backend: str
-    kv_cache: KVCache  # the destination cache
-    endpoint: str  # the address tickets name
-    listener: socket.socket  # the control socket senders connect to
-    remote_writer: bool = False  # another process writes our memory: fences may quarantine
-
-    def welcome(self, conn: Connection) -> dict[str, object]:
-        """During the handshake: backend facts for the sender's WELCOME."""
-        return {}
-
-    def connected(self, conn: Connection) -> None:
-        """After WELCOME was sent, on the connection's thread (nccl: join the communicator)."""
-        return None
-
-    def payload_bytes(self, num_blocks: int) -> int:
-        """The exact payload size of a LAYER frame for a transfer of `num_blocks` blocks."""
-        return 0
-
-    def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
-        """Consume a LAYER frame's payload (size already checked) and land the layer in the
-        record's blocks under its write_lock; raise KVTransferError to fail the transfer."""
-        raise NotImplementedError
-
-    def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
-        """Consume a LAYER frame of a transfer that ended or is not bound here."""
-        conn.fs.discard(header.nbytes)
-
-    def fence(self) -> None:
-        """Wait until no write queued by `land` is in flight (before DONE, and before
-        blocks return to the pool)."""
-        return None
-
-    def writer_running(self, conn: Connection) -> bool:
-        """Whether the process writing through `conn` may still write (shm: the sender)."""
-        return False
-
-    def disconnected(self, conn: Connection) -> None:
-        """The connection is gone: free its state (nccl: abort its communicator)."""
-        return None
-
-    def close(self) -> None:
-        """At receiver close, after every connection ended: free the cache's resources."""
-        return None
 
 
 class Receiver:
@@ -294,45 +241,21 @@ class Receiver:
             self._ep.read(conn, self._dispatch)
 
     def _handshake(self, conn: Connection) -> bool:
-        """CHALLENGE, then HELLO: authenticate, then check version and layout; WELCOME."""
-        secret, nonce, fs = self.options.secret, auth.new_nonce(), conn.fs
+        """`auth.receiver_handshake`; a refused sender is counted and logged."""
+        fs = conn.fs
         fs.limit_reads(self.options.handshake_timeout_s)
-        challenge = {"version": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None}
-        fs.send_json(Kind.CHALLENGE, "", challenge)
-        _, hello = auth.expect(fs, (Kind.HELLO,), f"sender {conn.name}")
-        fs.limit_reads(None)
-        if not isinstance(peer_nonce := hello.get("nonce"), str):
-            raise ProtocolError("HELLO without a nonce")
-        version = hello.get("version")
-        refusal: tuple[str, KVTransferError] | None = None
-        if secret is not None and not auth.verify(
-            auth.hello_mac(secret, nonce, peer_nonce, hello), hello
-        ):
-            refusal = ("auth_failed", AuthenticationError(auth.AUTH_FAILED))
-        # Authenticated from here on (or no secret configured): refusals may say why.
-        elif version != PROTOCOL_VERSION:
-            refusal = ("refused", KVTransferError(f"protocol {version} != {PROTOCOL_VERSION}"))
-        elif diffs := self.layout.differences(KVLayout.from_dict(hello.get("layout"))):
-            logger.warning("sender %s: %s", conn.name, KVLayoutMismatchError(diffs, "receiver"))
-            # the field names and the sender's own values; ours are not the peer's business
-            withheld: dict[str, tuple[object, object]] = {
-                k: ("(not disclosed)", b) for k, (_, b) in diffs.items()
-            }
-            refusal = ("refused", KVLayoutMismatchError(withheld, "receiver", "sender"))
+        facts = {"epoch": self.epoch, "num_blocks": self.spec.num_blocks}
+        refusal = auth.receiver_handshake(
+            fs,
+            conn.name,
+            self.layout,
+            self.options.secret,
+            lambda: facts | self._landing.welcome(conn),
+        )
         if refusal is not None:
             logger.warning("refusing the sender on connection %s: %s", conn.name, refusal[1])
             self._ep.count(refusal[0])
-            fs.send_json(Kind.REFUSE, "", error_to_wire(refusal[1]))
             return False
-        welcome: dict[str, object] = {
-            "layout": self.layout.to_dict(),
-            "epoch": self.epoch,
-            "num_blocks": self.spec.num_blocks,
-            **self._landing.welcome(conn),
-        }
-        if secret is not None:
-            welcome["mac"] = auth.welcome_mac(secret, nonce, peer_nonce, welcome)
-        fs.send_json(Kind.WELCOME, "", welcome)
         conn.last_used = time.monotonic()
         self._landing.connected(conn)
         return True

@@ -17,15 +17,11 @@ import contextlib
 import logging
 import math
 import queue
-import socket
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from engine.kv_cache import KVCacheSpec
@@ -48,56 +44,12 @@ from kvtransfer.base import (
     TransferState,
     error_from_wire,
 )
+from kvtransfer.datapath import ABORT_ITEM, FINISH_ITEM, LayerItem, Writing
 from kvtransfer.endpoint import Endpoint
 from kvtransfer.table import TransferRecord, TransferTable
 from kvtransfer.wire import Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
-
-FINISH_ITEM, ABORT_ITEM = -1, -2
-
-
-@dataclass(slots=True)
-class LayerItem:
-    """One unit of the sender's queue, in the order the prefill produced it."""
-
-    ticket: Ticket
-    layer: int  # >= 0: a layer; FINISH_ITEM; ABORT_ITEM: tell the receiver we aborted
-    k_cache: torch.Tensor | None = None
-    v_cache: torch.Tensor | None = None
-    src_ids: np.ndarray | None = None
-    ready: object | None = None  # `Writing.ready`'s marker (nccl: a CUDA event)
-
-
-class Writing(Protocol):
-    """A backend's sending data path, held by one `Sender` (which calls every method);
-    backends subclass it to inherit the optional steps, which default to nothing."""
-
-    backend: str
-
-    def open(self, endpoint: str, timeout_s: float) -> socket.socket:
-        """A connected socket to the receiver's control endpoint."""
-        raise NotImplementedError
-
-    def welcome(self, conn: Connection) -> None:
-        """After the receiver's WELCOME was verified: set up the connection's data path."""
-        return None
-
-    def ready(self, k_cache: torch.Tensor) -> object | None:
-        """In `send_layer`, on the caller's thread: mark the layer computed (nccl: event)."""
-        return None
-
-    def write(
-        self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
-    ) -> None:
-        """Worker thread: move queued layers of one transfer, then send their LAYER frames
-        (a CRC32 each with `checksum`); the receiver's blocks are written under
-        `record.write_lock`, and only while the record is not terminal."""
-        raise NotImplementedError
-
-    def disconnected(self, conn: Connection) -> None:
-        """The connection is gone: free its state (shm: unmap; nccl: abort the comm)."""
-        return None
 
 
 class RejectedError(KVTransferError):

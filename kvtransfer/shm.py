@@ -31,9 +31,8 @@ from engine.kv_cache import KVCache, KVCacheSpec
 from kernels import rowcopy
 from kernels.rowcopy import CopyPlan, block_rows
 from kvtransfer.base import BackendUnavailableError, KVTransferError, PeerLostError
+from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
-from kvtransfer.receiver import Landing
-from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header, Kind
 

@@ -14,9 +14,8 @@ import socket
 
 from engine.kv_cache import KVCache
 from kernels.rowcopy import block_rows
+from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
-from kvtransfer.receiver import Landing
-from kvtransfer.sender import LayerItem, Writing
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header, Kind
 

@@ -21,7 +21,8 @@ from engine.kv_cache import KVCacheSpec
 from kernels.rowcopy import block_rows
 from kvtransfer import TransferOptions
 from kvtransfer.base import Ticket
-from kvtransfer.sender import LayerItem, Sender
+from kvtransfer.datapath import LayerItem
+from kvtransfer.sender import Sender
 from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord
 from kvtransfer.tcp import TcpWriting

@@ -34,8 +34,9 @@ from kvtransfer import (
     create_sender,
 )
 from kvtransfer.base import Ticket
+from kvtransfer.datapath import LayerItem
 from kvtransfer.payload import layer_crc
-from kvtransfer.sender import LayerItem, Sender
+from kvtransfer.sender import Sender
 from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord
 from kvtransfer.tcp import TcpWriting
