@@ -48,7 +48,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import compare_report, quiet
+from bench import compare_report, compare_store, quiet
+from bench.compare_store import SloPlan, Slos, resumed, settings, slo_section
 from bench.goodput import add_sweep_args
 from bench.knee import find_knee
 from bench.loadgen import RunResult, Target, run_load_sync, run_report
@@ -63,9 +64,6 @@ from bench.workloads import (
     describe_workload,
     requests_from_args,
 )
-
-SloPlan = dict[str, SLO]  # by class label
-Slos = tuple[SloPlan, SLO | None, str]  # every class's SLO, the shared one (if so), how
 
 
 def measure_isolated(
@@ -255,23 +253,6 @@ def next_start(runs: Sequence[Mapping[str, Any]], rate_start: float) -> float:
     return 0.75 * statistics.fmean(found) if found and min(found) > 0 else rate_start
 
 
-def write(document: dict[str, Any], args: argparse.Namespace) -> None:
-    stem = args.json.with_suffix("").name
-    points = {name: rs[0]["points"] for name, rs in document["runs"].items() if rs}
-    document["common_rate"] = args.cdf_rate or compare_report.common_rate(points, args.target)
-    document["plots"] = compare_report.plot(document, args.plots_dir or args.json.parent, stem)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
-
-
-def replot(args: argparse.Namespace) -> int:
-    """Redraw the plots of a saved comparison (optionally at another CDF rate)."""
-    document = json.loads(args.json.read_text())
-    write(document, args)
-    print(json.dumps({k: v for k, v in document.items() if k != "runs"}))
-    return 0
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="pdserve bench compare",
@@ -302,6 +283,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plots-dir", type=Path, default=None, help="default: beside --json")
     p.add_argument("--cdf-rate", type=float, default=None, help="rate of the CDF plots")
     p.add_argument("--replot", action="store_true", help="only redraw --json's plots")
+    p.add_argument(
+        "--resume", action="store_true", help="keep the runs --json holds (same settings)"
+    )
     add_sweep_args(p)
     add_workload_args(p)
     p.set_defaults(rate_start=0.25, max_points=10)
@@ -322,44 +306,50 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
-        return replot(args)
+        return compare_store.replot(args.json, args.plots_dir, args.cdf_rate, args.target)
     names, baseline = args.names, args.names[-1]
     for name in names:  # a missing or invalid config fails now, not an hour in
         app_args(name, args.model, args.dtype, free_port())
     bench_cores = quiet.pin_bench(args.replica_cores) if args.replica_cores else None
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    slos: Slos | None = None
-    order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
-    with tqdm(total=args.seeds * len(names), desc="compare", file=sys.stderr) as bar:
-        for seed in range(args.seed, args.seed + args.seeds):
-            for name in order:
-                start = next_start(runs[name], args.rate_start)
-                run, slos = run_with_retry(name, seed, args, slos, start, bar)
-                runs[name].append(run)
-                bar.update(1)
-    assert slos is not None  # set by the first run (seeds >= 1)
-    plan, shared, how = slos
-    summary = compare_report.aggregate(
-        runs, names, args.target, args.exclude_noisy, args.bootstrap, args.confidence
-    )
-    document: dict[str, Any] = {
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    runs, slos = resumed(args)
+    runs = {name: [run for run in kept if run["seed"] in seeds] for name, kept in runs.items()}
+    header: dict[str, Any] = {
         "model": args.model,
         "dtype": args.dtype,
         "num_cpus": args.num_cpus,
         "workload": describe_workload(args),
         "target": args.target,
         "requests_per_point": args.requests_per_point,
-        "seeds": list(range(args.seed, args.seed + args.seeds)),
+        "seeds": seeds,
         "tolerance": args.tolerance,
         "drift_threshold": args.drift_threshold,
         "replica_cores": args.replica_cores,
         "bench_cores": bench_cores,
-        "slo": {
-            "shared": None if shared is None else vars_slo(shared),
-            "classes": {label: vars_slo(slo) for label, slo in plan.items()},
-            "how": how,
-            "baseline": baseline,
-        },
+        "settings": json.loads(json.dumps(settings(args), default=str)),
+    }
+    order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
+    done = sum(len(runs[name]) for name in names)
+    with tqdm(total=len(seeds) * len(names), initial=done, desc="compare", file=sys.stderr) as bar:
+        for seed in seeds:
+            for name in order:
+                if any(run["seed"] == seed for run in runs[name]):
+                    continue  # kept from the checkpoint (--resume)
+                start = next_start(runs[name], args.rate_start)
+                run, slos = run_with_retry(name, seed, args, slos, start, bar)
+                runs[name].append(run)
+                bar.update(1)
+                # A checkpoint after every run: `--resume` continues from it.
+                checkpoint = {**header, "complete": False, "slo": slo_section(slos, baseline)}
+                compare_store.save_json(args.json, {**checkpoint, "runs": runs})
+    assert slos is not None  # set by the first run (seeds >= 1)
+    summary = compare_report.aggregate(
+        runs, names, args.target, args.exclude_noisy, args.bootstrap, args.confidence
+    )
+    document: dict[str, Any] = {
+        **header,
+        "complete": True,
+        "slo": slo_section(slos, baseline),
         **summary,
         "goodput_per_core": {
             n: None if (m := summary["goodput"][n]["mean"]) is None else m / args.num_cpus
@@ -367,13 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "runs": runs,
     }
-    write(document, args)
+    compare_store.write(document, args.json, args.plots_dir, args.cdf_rate, args.target)
     print(json.dumps(finite_or_none({k: v for k, v in document.items() if k != "runs"})))
     return 0
-
-
-def vars_slo(slo: SLO) -> dict[str, float | None]:
-    return {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
 
 
 if __name__ == "__main__":

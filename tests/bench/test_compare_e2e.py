@@ -64,3 +64,12 @@ def test_compare_pipeline(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert ratio == pytest.approx(disagg / document["goodput"]["cpu-colocated"]["mean"])
     assert len(document["plots"]) == 5
     assert all(Path(p).stat().st_size > 1000 for p in document["plots"])
+
+    # --resume keeps every run the file holds: nothing is deployed again, same figures.
+    assert main([*argv, "--resume"]) == 0
+    again = json.loads(out.read_text())
+    assert again["runs"] == document["runs"] and again["complete"] is True
+    assert again["goodput"] == document["goodput"]
+    # ... and refuses a file written with other settings, naming them.
+    with pytest.raises(SystemExit, match="requests_per_point"):
+        main([*argv, "--resume", "--requests-per-point", str(REQUESTS + 1)])

@@ -1,0 +1,97 @@
+"""Where `pdserve bench compare` keeps its results: the final JSON with its plots, and a
+checkpoint after every run, which `--resume` continues when the settings match (a
+comparison of several configs x seeds takes hours; one interrupted session loses one run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bench import compare_report
+from bench.metrics import SLO, finite_or_none
+
+SloPlan = dict[str, SLO]  # by class label
+Slos = tuple[SloPlan, SLO | None, str]  # every class's SLO, the shared one (if so), how
+
+
+# The options a run's figures depend on: `--resume` continues a file only if they match.
+SETTINGS_EXCLUDED = {"json", "plots_dir", "no_progress", "replot", "resume", "cdf_rate", "seeds"}
+SETTINGS_EXCLUDED |= {"bootstrap", "exclude_noisy", "confidence", "names"}
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a checkpoint must agree on to be continued (everything but output options)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in SETTINGS_EXCLUDED}
+
+
+def resumed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], Slos | None]:
+    """With `--resume`: the runs and SLOs `--json` holds, if it was written with the same
+    settings (else an error naming the differences); empty without it or without the file."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.names}
+    if not args.resume or not args.json.exists():
+        return runs, None
+    saved = json.loads(args.json.read_text())
+    ours = json.loads(json.dumps(settings(args), default=str))
+    theirs = saved.get("settings", {})
+    if diffs := sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)):
+        listed = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in diffs)
+        raise SystemExit(f"--resume: {args.json} was written with other settings ({listed})")
+    for name in args.names:
+        runs[name] = list(saved["runs"].get(name, []))
+    slo = saved.get("slo")
+    if not slo:
+        return runs, None
+    plan = {label: SLO(**values) for label, values in slo["classes"].items()}
+    shared = None if slo["shared"] is None else SLO(**slo["shared"])
+    return runs, (plan, shared, slo["how"])
+
+
+def slo_section(slos: Slos | None, baseline: str) -> dict[str, Any] | None:
+    if slos is None:
+        return None
+    plan, shared, how = slos
+    return {
+        "shared": None if shared is None else vars_slo(shared),
+        "classes": {label: vars_slo(slo) for label, slo in plan.items()},
+        "how": how,
+        "baseline": baseline,
+    }
+
+
+def save_json(path: Path, document: Mapping[str, Any]) -> None:
+    """Write `document` (non-finite numbers as null) through a temporary file, so an
+    interrupted write never leaves a truncated checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
+    partial.replace(path)
+
+
+def write(
+    document: dict[str, Any],
+    path: Path,
+    plots_dir: Path | None,
+    cdf_rate: float | None,
+    target: float,
+) -> None:
+    """The final JSON, with its plots (beside it, or in `plots_dir`) listed in it."""
+    points = {name: rs[0]["points"] for name, rs in document["runs"].items() if rs}
+    document["common_rate"] = cdf_rate or compare_report.common_rate(points, target)
+    stem = path.with_suffix("").name
+    document["plots"] = compare_report.plot(document, plots_dir or path.parent, stem)
+    save_json(path, document)
+
+
+def replot(path: Path, plots_dir: Path | None, cdf_rate: float | None, target: float) -> int:
+    """Redraw the plots of a saved comparison (optionally at another CDF rate)."""
+    document = json.loads(path.read_text())
+    write(document, path, plots_dir, cdf_rate, document.get("target", target))
+    print(json.dumps({k: v for k, v in document.items() if k != "runs"}))
+    return 0
+
+
+def vars_slo(slo: SLO) -> dict[str, float | None]:
+    return {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
