@@ -42,7 +42,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,10 +177,25 @@ def point_seed(seed: int, points: list[dict[str, Any]]) -> int:
 
 
 def run_once(
-    name: str, seed: int, args: argparse.Namespace, slos: Slos | None, rate_start: float, bar: tqdm
+    name: str,
+    seed: int,
+    args: argparse.Namespace,
+    slos: Slos | None,
+    rate_start: float,
+    bar: tqdm,
+    started: Mapping[str, Any] | None = None,
+    on_point: Callable[[dict[str, Any], Slos], None] | None = None,
 ) -> tuple[dict[str, Any], Slos]:
     """Deploy `name`, measure isolated requests, search the knee at `seed`, measure again.
-    `slos` is `(plan, shared, how)` or None (derive them here); returns the run and slos."""
+    `slos` is `(plan, shared, how)` or None (derive them here); returns the run and slos.
+
+    `on_point(partial_run, slos)` is called after every point measured (a checkpoint).
+    `started` is such a partial run of an interrupted session (`--resume`): the search,
+    being deterministic, asks for the same rates again, and its recorded points answer them
+    instead of new measurements (`resumed_points` says how many)."""
+    replay = list(started["points"]) if started else []
+    if started:
+        rate_start = started["rate_start"]
     config_args = app_args(name, args.model, args.dtype, free_port())
     if args.replica_cores:
         config_args = quiet.pin_pools(config_args, args.replica_cores)
@@ -189,11 +204,14 @@ def run_once(
         target = Target(app.base_url, app.model_name, timeout_s=args.timeout)
         host_before, iso_before = quiet.host_state(), measure_isolated(target, seeded, seed)
         slos = slos or plan_slos(args, iso_before)
-        plan, shared, _ = slos
+        plan, shared, how = slos
         points: list[dict[str, Any]] = []
 
         def attainment_at(rate: float) -> float:
             bar.set_postfix_str(f"{name} seed {seed} rate {rate:.3g}")
+            if len(points) < len(replay) and replay[len(points)]["rate"] == rate:
+                points.append(replay[len(points)])  # measured before the interruption
+                return float(points[-1]["attainment"])
             # New prompts at every point (the k-th point of every config gets the same ones):
             # repeating a point's prompts would let the prefix cache serve their prefill.
             point_args = argparse.Namespace(**{**vars(seeded), "seed": point_seed(seed, points)})
@@ -204,6 +222,9 @@ def run_once(
             value = float(points[-1]["attainment"])
             line = {"config": name, "seed": seed, "rate": rate, "attainment": value}
             print(json.dumps(line), file=sys.stderr)
+            if on_point is not None:
+                partial = {"config": name, "seed": seed, "rate_start": rate_start}
+                on_point({**partial, "points": points}, (plan, shared, how))
             return value
 
         search = find_knee(attainment_at, rate_start, args.target, args.tolerance, args.max_points)
@@ -228,23 +249,22 @@ def run_once(
             "converged": search.converged,
         },
         "points": points,
+        "resumed_points": sum(1 for p in points if any(p is q for q in replay)),
     }
     return run, slos
 
 
-def run_with_retry(
-    name: str, seed: int, args: argparse.Namespace, slos: Slos | None, rate_start: float, bar: tqdm
-) -> tuple[dict[str, Any], Slos]:
+def run_with_retry(name: str, seed: int, *rest: Any) -> tuple[dict[str, Any], Slos]:
     """`run_once`, run again once if it raised (a Ray instance that did not start on a busy
     host, a replica that died): a long comparison should not end on one transient failure."""
     try:
-        return run_once(name, seed, args, slos, rate_start, bar)
+        return run_once(name, seed, *rest)
     except Exception as e:  # noqa: BLE001 - any failure of the deployment or the run
         print(f"== {name} seed {seed} failed ({e!r}); running it again", file=sys.stderr)
         import ray
 
         ray.shutdown()  # whatever a failed start left behind (a no-op if nothing)
-        return run_once(name, seed, args, slos, rate_start, bar)
+        return run_once(name, seed, *rest)
 
 
 def next_start(runs: Sequence[Mapping[str, Any]], rate_start: float) -> float:
@@ -312,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         app_args(name, args.model, args.dtype, free_port())
     bench_cores = quiet.pin_bench(args.replica_cores) if args.replica_cores else None
     seeds = list(range(args.seed, args.seed + args.seeds))
-    runs, slos = resumed(args)
+    runs, slos, started = resumed(args)
     runs = {name: [run for run in kept if run["seed"] in seeds] for name, kept in runs.items()}
     header: dict[str, Any] = {
         "model": args.model,
@@ -329,6 +349,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": json.loads(json.dumps(settings(args), default=str)),
     }
     order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
+
+    def save(partial: dict[str, Any] | None, slos: Slos) -> None:
+        """A checkpoint (after every point): `--resume` continues from it."""
+        checkpoint = {**header, "complete": False, "slo": slo_section(slos, baseline)}
+        compare_store.save_json(args.json, {**checkpoint, "runs": runs, "in_progress": partial})
+
     done = sum(len(runs[name]) for name in names)
     with tqdm(total=len(seeds) * len(names), initial=done, desc="compare", file=sys.stderr) as bar:
         for seed in seeds:
@@ -336,12 +362,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if any(run["seed"] == seed for run in runs[name]):
                     continue  # kept from the checkpoint (--resume)
                 start = next_start(runs[name], args.rate_start)
-                run, slos = run_with_retry(name, seed, args, slos, start, bar)
+                mine = started if started and started["config"] == name else None
+                mine = mine if mine and mine["seed"] == seed else None
+                run, slos = run_with_retry(name, seed, args, slos, start, bar, mine, save)
                 runs[name].append(run)
+                save(None, slos)
                 bar.update(1)
-                # A checkpoint after every run: `--resume` continues from it.
-                checkpoint = {**header, "complete": False, "slo": slo_section(slos, baseline)}
-                compare_store.save_json(args.json, {**checkpoint, "runs": runs})
     assert slos is not None  # set by the first run (seeds >= 1)
     summary = compare_report.aggregate(
         runs, names, args.target, args.exclude_noisy, args.bootstrap, args.confidence

@@ -1,6 +1,8 @@
 """Where `pdserve bench compare` keeps its results: the final JSON with its plots, and a
-checkpoint after every run, which `--resume` continues when the settings match (a
-comparison of several configs x seeds takes hours; one interrupted session loses one run)."""
+checkpoint after every knee point, which `--resume` continues when the settings match (a
+comparison of several configs x seeds takes hours; an interrupted session loses at most
+the point it was measuring: the interrupted run is redeployed and its recorded points
+answer the search's first probes)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,16 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in sorted(vars(args).items()) if k not in SETTINGS_EXCLUDED}
 
 
-def resumed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], Slos | None]:
-    """With `--resume`: the runs and SLOs `--json` holds, if it was written with the same
-    settings (else an error naming the differences); empty without it or without the file."""
+Resumed = tuple[dict[str, list[dict[str, Any]]], Slos | None, dict[str, Any] | None]
+
+
+def resumed(args: argparse.Namespace) -> Resumed:
+    """With `--resume`: the runs, SLOs and the interrupted run's points (`in_progress`)
+    `--json` holds, if it was written with the same settings (else an error naming the
+    differences); nothing without `--resume` or without the file."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.names}
     if not args.resume or not args.json.exists():
-        return runs, None
+        return runs, None, None
     saved = json.loads(args.json.read_text())
     ours = json.loads(json.dumps(settings(args), default=str))
     theirs = saved.get("settings", {})
@@ -41,12 +47,12 @@ def resumed(args: argparse.Namespace) -> tuple[dict[str, list[dict[str, Any]]], 
         raise SystemExit(f"--resume: {args.json} was written with other settings ({listed})")
     for name in args.names:
         runs[name] = list(saved["runs"].get(name, []))
-    slo = saved.get("slo")
+    slo, started = saved.get("slo"), saved.get("in_progress")
     if not slo:
-        return runs, None
+        return runs, None, None
     plan = {label: SLO(**values) for label, values in slo["classes"].items()}
     shared = None if slo["shared"] is None else SLO(**slo["shared"])
-    return runs, (plan, shared, slo["how"])
+    return runs, (plan, shared, slo["how"]), started
 
 
 def slo_section(slos: Slos | None, baseline: str) -> dict[str, Any] | None:

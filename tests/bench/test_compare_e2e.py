@@ -70,6 +70,18 @@ def test_compare_pipeline(tiny_model_dir: Path, tmp_path: Path) -> None:
     again = json.loads(out.read_text())
     assert again["runs"] == document["runs"] and again["complete"] is True
     assert again["goodput"] == document["goodput"]
+    # A session ended during disagg's search: its first point answers the redeployed run's
+    # first probe instead of a new measurement; the baseline run and the SLOs are kept.
+    (first, *_) = document["runs"]["cpu-disagg"][0]["points"]
+    interrupted = {**document, "complete": False, "runs": {**document["runs"], "cpu-disagg": []}}
+    started = {"config": "cpu-disagg", "seed": 0, "rate_start": 1.0, "points": [first]}
+    out.write_text(json.dumps({**interrupted, "in_progress": started}))
+    assert main([*argv, "--resume"]) == 0
+    resumed = json.loads(out.read_text())
+    (run,) = resumed["runs"]["cpu-disagg"]
+    assert run["resumed_points"] == 1 and run["points"][0] == first
+    assert resumed["runs"]["cpu-colocated"] == document["runs"]["cpu-colocated"]
+    assert resumed["slo"] == document["slo"] and resumed["complete"] is True
     # ... and refuses a file written with other settings, naming them.
     with pytest.raises(SystemExit, match="requests_per_point"):
         main([*argv, "--resume", "--requests-per-point", str(REQUESTS + 1)])
