@@ -249,7 +249,7 @@ def run_once(
             "converged": search.converged,
         },
         "points": points,
-        "resumed_points": sum(1 for p in points if any(p is q for q in replay)),
+        "resumed_points": sum(p is q for p, q in zip(points, replay, strict=False)),
     }
     return run, slos
 
@@ -346,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "drift_threshold": args.drift_threshold,
         "replica_cores": args.replica_cores,
         "bench_cores": bench_cores,
-        "settings": json.loads(json.dumps(settings(args), default=str)),
+        "settings": settings(args),
     }
     order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
 
@@ -362,8 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if any(run["seed"] == seed for run in runs[name]):
                     continue  # kept from the checkpoint (--resume)
                 start = next_start(runs[name], args.rate_start)
-                mine = started if started and started["config"] == name else None
-                mine = mine if mine and mine["seed"] == seed else None
+                ours = started and (started["config"], started["seed"]) == (name, seed)
+                mine = started if ours else None
                 run, slos = run_with_retry(name, seed, args, slos, start, bar, mine, save)
                 runs[name].append(run)
                 save(None, slos)

@@ -25,8 +25,10 @@ SETTINGS_EXCLUDED |= {"bootstrap", "exclude_noisy", "confidence", "names"}
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What a checkpoint must agree on to be continued (everything but output options)."""
-    return {k: v for k, v in sorted(vars(args).items()) if k not in SETTINGS_EXCLUDED}
+    """What a checkpoint must agree on to be continued (everything but output options), in
+    its JSON form (paths and lists as the file holds them), so the two compare equal."""
+    kept = {k: v for k, v in sorted(vars(args).items()) if k not in SETTINGS_EXCLUDED}
+    return dict(json.loads(json.dumps(kept, default=str)))
 
 
 Resumed = tuple[dict[str, list[dict[str, Any]]], Slos | None, dict[str, Any] | None]
@@ -40,7 +42,7 @@ def resumed(args: argparse.Namespace) -> Resumed:
     if not args.resume or not args.json.exists():
         return runs, None, None
     saved = json.loads(args.json.read_text())
-    ours = json.loads(json.dumps(settings(args), default=str))
+    ours = settings(args)
     theirs = saved.get("settings", {})
     if diffs := sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)):
         listed = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in diffs)

@@ -109,13 +109,16 @@ def receiver_handshake(
     peer: str,
     layout: KVLayout,
     secret: str | None,
+    timeout_s: float,
     welcome_facts: Callable[[], dict[str, object]],
 ) -> tuple[str, KVTransferError] | None:
-    """Called by a receiver on an accepted connection (reads already time-limited): send
-    CHALLENGE, check the HELLO (proof of `secret` first, then version and `layout`), and
-    answer WELCOME with `welcome_facts()` and our proof. A refused sender is sent REFUSE;
-    returns why, as `(refusal counter, error)`, or None once WELCOME is sent."""
+    """Called by a receiver on an accepted connection: send CHALLENGE, wait up to
+    `timeout_s` for the HELLO, check it (proof of `secret` first, then version and
+    `layout`), and answer WELCOME with `welcome_facts()` (asked only once the sender is
+    accepted: they may name what only it may know) and our proof. A refused sender is sent
+    REFUSE; returns why, as `(refusal counter, error)`, or None once WELCOME is sent."""
     nonce = new_nonce()
+    fs.limit_reads(timeout_s)
     fs.send_json(
         Kind.CHALLENGE,
         "",

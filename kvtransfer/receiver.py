@@ -242,14 +242,13 @@ class Receiver:
 
     def _handshake(self, conn: Connection) -> bool:
         """`auth.receiver_handshake`; a refused sender is counted and logged."""
-        fs = conn.fs
-        fs.limit_reads(self.options.handshake_timeout_s)
         facts = {"epoch": self.epoch, "num_blocks": self.spec.num_blocks}
         refusal = auth.receiver_handshake(
-            fs,
+            conn.fs,
             conn.name,
             self.layout,
             self.options.secret,
+            self.options.handshake_timeout_s,
             lambda: facts | self._landing.welcome(conn),
         )
         if refusal is not None:
