@@ -18,11 +18,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from app.admission.config import AdmissionSettings, IngressSettings, check_tenant_classes
+from app.admission.config import (
+    AdaptivePrefillSettings,
+    AdmissionSettings,
+    IngressSettings,
+    check_tenant_classes,
+)
 from app.admission.overload_config import OverloadSettings
 from app.config_pools import AutoscalingSettings, PoolConfig
 from app.config_sections import (
-    AdaptivePrefillSettings,
     ConfigError,
     EngineOverrides,
     HttpSettings,
@@ -163,6 +167,12 @@ class PDServeConfig(_Strict):
                 "fallback pool serves the degradable classes of every primary pool"
             )
         self.observability.check_pools(set(names))
+        serving = [pool.name for pool in self.pools if pool.serves_decode]
+        if serving and not self.adaptive_prefill.enabled:
+            raise ValueError(
+                f"pools {', '.join(serving)} set serves_decode, which needs "
+                "adaptive_prefill.enabled (decode overflow weighs the pools' loads)"
+            )
         if self.transfer.backend in ("nccl", "cuda_ipc") and self.model.device != "cuda":
             raise ValueError(
                 f"transfer.backend {self.transfer.backend!r} requires model.device 'cuda'"

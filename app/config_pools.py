@@ -177,6 +177,14 @@ class PoolConfig(_Strict):
         "SLO classes when the primary pools are overloaded (never chosen otherwise). It runs "
         "its own `model` and prefills every prompt itself (no KV from the prefill pools).",
     )
+    serves_decode: bool = Field(
+        default=False,
+        description="Prefill only: the pool's replicas also serve whole requests (prompt "
+        "prefilled and decoded on the replica, no KV transfer) while the decode pool is busier "
+        "by `adaptive_prefill.decode_overflow_gap` sequences (decode overflow), so the decode "
+        "capacity of the prefill replicas is not lost on decode-bound load. Needs "
+        "`adaptive_prefill.enabled`.",
+    )
     model: ModelSettings | None = Field(
         default=None,
         description="Fallback pools only (and required there): the pool's own model and "
@@ -236,6 +244,11 @@ class PoolConfig(_Strict):
             raise ValueError(
                 f"decode pool {self.name!r}: min_context_tokens/max_context_tokens apply to "
                 "prefill pools only"
+            )
+        if self.serves_decode and self.role != "prefill":
+            raise ValueError(
+                f"pool {self.name!r}: serves_decode applies to prefill pools only (a decode "
+                "pool serves whole requests anyway)"
             )
         if self.fallback and (self.role != "decode" or self.model is None):
             raise ValueError(

@@ -40,6 +40,7 @@ from app.admission.fallback import (
     fallback_model_config,
     is_backpressure,
 )
+from app.admission.overflow import DecodeOverflow
 from app.admission.overload import OverloadGuard
 from app.choices import cancel_choices, pump_choice, ready_items
 from app.config import PDServeConfig
@@ -75,7 +76,8 @@ _T = TypeVar("_T")
 
 
 class Frontend:
-    """Checks, routes and runs requests against the decode pools' handles."""
+    """Checks, routes and runs requests against the decode pools' handles (and those of
+    prefill pools that serve whole requests, `app/admission/overflow.py`)."""
 
     def __init__(
         self,
@@ -95,6 +97,8 @@ class Frontend:
         self.policy = RouterPolicy(config)
         # Adaptive disaggregation weighs the prefill pools' load against the decode pools'.
         self.adaptive = AdaptivePrefill(config.adaptive_prefill, self.overload.monitor.snapshot)
+        # Prefill pools with `serves_decode` take whole requests while decode is busier.
+        self.overflow = DecodeOverflow(config, self.overload.monitor.snapshot)
         if config.adaptive_prefill.enabled and prefill_handles:
             self.overload.monitor.watch({**decode_handles, **prefill_handles})
         self.classes = ClassResolver(config.admission, config.tenants)
@@ -118,7 +122,10 @@ class Frontend:
         # the tokenizer is not used from two threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
         self.model_name = config.model.served_model_name or config.model.model
-        self.decode_handles = {name: h.options(stream=True) for name, h in decode_handles.items()}
+        serving = {name: (prefill_handles or {})[name] for name in self.overflow.pools}
+        self.decode_handles = {
+            name: h.options(stream=True) for name, h in {**decode_handles, **serving}.items()
+        }
         self.in_flight: Counter[str] = Counter()
         self.routing = RoutingLog()
         goodput = config.observability.metrics
@@ -212,6 +219,7 @@ class Frontend:
         # the tokens it sends to a pool), before shedding, so a prompt the prefill pool would
         # be late for is prefilled locally rather than refused.
         route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
+        route = self.overflow.apply(route, len(prompt_token_ids), tenant, n)
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)

@@ -111,6 +111,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
             telemetry=telemetry,
             cpu_affinity=pool.cpu_affinity,
             source_host=config.transfer.source_host,
+            serves_decode=pool.serves_decode,
         )
         for pool in config.pools_by_role("prefill")
     }

@@ -37,13 +37,17 @@ Resumed = tuple[dict[str, list[dict[str, Any]]], Slos | None, dict[str, Any] | N
 def resumed(args: argparse.Namespace) -> Resumed:
     """With `--resume`: the runs, SLOs and the interrupted run's points (`in_progress`)
     `--json` holds, if it was written with the same settings (else an error naming the
-    differences); nothing without `--resume` or without the file."""
+    differences); nothing without `--resume` or without the file. `--configs` may grow
+    as `--seeds` may: configs added before the same baseline (the last, whose first run
+    set the SLOs) are measured, the file's runs kept."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.names}
     if not args.resume or not args.json.exists():
         return runs, None, None
     saved = json.loads(args.json.read_text())
     ours = settings(args)
     theirs = saved.get("settings", {})
+    if _grown(theirs.get("configs"), ours.get("configs")):
+        theirs = {**theirs, "configs": ours["configs"]}
     if diffs := sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)):
         listed = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in diffs)
         raise SystemExit(f"--resume: {args.json} was written with other settings ({listed})")
@@ -55,6 +59,15 @@ def resumed(args: argparse.Namespace) -> Resumed:
     plan = {label: SLO(**values) for label, values in slo["classes"].items()}
     shared = None if slo["shared"] is None else SLO(**slo["shared"])
     return runs, (plan, shared, slo["how"]), started
+
+
+def _grown(theirs: Any, ours: Any) -> bool:
+    """True when `ours` (a `--configs` list) holds every config of `theirs` and ends with
+    the same baseline."""
+    if not isinstance(theirs, str) or not isinstance(ours, str):
+        return False
+    old, new = theirs.split(","), ours.split(",")
+    return old[-1] == new[-1] and set(old) <= set(new)
 
 
 def slo_section(slos: Slos | None, baseline: str) -> dict[str, Any] | None:

@@ -30,7 +30,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from functools import partial
 from typing import Any, cast
 
-from decode.admission import SlotGate
 from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlanner
 from decode.protocol import GenerationSpec
 from decode.remote_prefill import (
@@ -43,6 +42,7 @@ from decode.remote_prefill import (
     transfer_id,
 )
 from decode.reservations import ReservationTable
+from decode.streams import Streams
 from decode.trace import GenerationTrace
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
@@ -50,13 +50,10 @@ from engine.kv_cache import KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, ObserverFactory, PrefillRate, model_id_for
-from engine.signals import RecentSamples, decode_signals
+from engine.signals import decode_signals
 from engine.tp_kv import allocate_for_engine
 from kvtransfer import Receiver, TransferOptions
 from kvtransfer import create_receiver as create_kv_receiver
-
-MAX_ADMISSION_WAIT_S = 600.0  # for a slot, when the request has no deadline of its own
-ADMISSION_MARGIN_S = 1.0  # past the request's deadline: the ingress's 504 comes first
 
 
 def _network_endpoint(backend: str, endpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,12 +91,9 @@ class DecodeServer:
         if telemetry is not None:
             telemetry(f"decode:{pool}")
         self.pool = pool
-        self._timelines: dict[str, GenerationTrace] = {}  # by request id (event loop only)
         self.deadline_s = deadline_s
         self.breakers = BreakerBoard(breaker)  # event loop only
         self.planner = PrefillPlanner(self.breakers, known_replicas)
-        # Streams at once, admitted by priority (`decode/admission.py`); event loop only.
-        self.admission = SlotGate(engine_config.scheduler.max_num_seqs)
         self.prefill_pools = dict(prefill_pools or {})
         self.receiver: Receiver | None = None
         kv_cache = None
@@ -126,6 +120,8 @@ class DecodeServer:
         )
         self.engine = self.replica.engine
         self.loop = self.replica.loop
+        # Streams at once, admitted by priority, and their timelines; event loop only.
+        self.streams = Streams(self.replica.name, pool, engine_config.scheduler.max_num_seqs)
         self.reservations = ReservationTable(self.engine, self.loop, self.receiver)
         self._reservations = self.reservations.entries  # by transfer id
         self.remote: RemotePrefill | None = None  # None: every prompt is prefilled here
@@ -140,7 +136,6 @@ class DecodeServer:
                 deadline_s,
                 transfer_options.fence_timeout_s + FENCE_MARGIN_S,
             )
-        self._itl_ms = RecentSamples()  # autoscaling signal (event loop only)
         self._local_prefill = PrefillRate()  # for adaptive disaggregation (event loop only)
         self._num_routing_reports = 0
         self.replica.observers.extend(make(self.stats) for make in observers)
@@ -148,44 +143,15 @@ class DecodeServer:
     # ---- the request -----------------------------------------------------------------
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
-        """Stream `spec`'s deltas once it holds one of the replica's slots (`SlotGate`:
+        """Stream `spec`'s deltas once it holds one of the replica's slots (`Streams`:
         most important first); prefill remotely when the spec names a prefill pool."""
-        last_token_at: float | None = None
-        timeline = self._timelines[spec.request_id] = GenerationTrace(
-            spec, self.replica.name, self.pool
-        )
-        finish_reason: str | None = None
-        error: BaseException | None = None
-        wait_s = MAX_ADMISSION_WAIT_S
-        if spec.timeout_s is not None:
-            wait_s = spec.timeout_s + ADMISSION_MARGIN_S
-        try:
-            # aclosing: when our caller goes away, the inner generator's cleanup runs now.
-            async with (
-                self.admission.slot(spec.priority, wait_s),
-                contextlib.aclosing(self._generate(spec)) as deltas,
-            ):
-                async for delta in deltas:
-                    delta = timeline.on_delta(delta)
-                    finish_reason = delta.finish_reason or finish_reason
-                    if delta.new_token_ids:
-                        now = time.perf_counter()
-                        if last_token_at is not None:
-                            per_token = (now - last_token_at) * 1000 / len(delta.new_token_ids)
-                            self._itl_ms.add(per_token)
-                        last_token_at = now
-                    yield delta
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            if self._timelines.get(spec.request_id) is timeline:
-                del self._timelines[spec.request_id]
-            timeline.finish(finish_reason, error)
+        async for delta in self.streams.serve(spec, self._generate):
+            yield delta
 
-    async def _generate(self, spec: GenerationSpec) -> AsyncGenerator[RequestOutput, None]:
+    async def _generate(
+        self, spec: GenerationSpec, timeline: GenerationTrace
+    ) -> AsyncGenerator[RequestOutput, None]:
         request = self.replica.make_request(spec)
-        timeline = self._timelines[spec.request_id]
         timeline.local_request = request
         if spec.prefill_pool is None or self.remote is None:
             self.replica.counters["local_prefill"] += 1
@@ -240,14 +206,14 @@ class DecodeServer:
             **await self.replica.routing_stats(),
             "prefill_tokens_per_s": self._local_prefill.tokens_per_s(),
             "prefill_breakers": self.planner.blocked_pools(),
-            "admission": self.admission.snapshot(),
+            "admission": self.streams.admission.snapshot(),
             "num_reports": self._num_routing_reports,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
         names the signals). Never blocks the event loop."""
-        return decode_signals(self.loop.occupancy, self._itl_ms)
+        return decode_signals(self.loop.occupancy, self.streams.itl_ms)
 
     def check_health(self) -> None:
         """Serve's health check: fails when the engine loop is dead or stuck, or the KV

@@ -8,6 +8,10 @@ A request's life here:
 
 The source blocks are freed by the sender's `release` callback in every terminal state
 (done, failed, aborted, expired), so a dead or slow decode peer never strands them.
+
+A replica of a pool with `serves_decode` also serves whole requests (`generate`, called by
+the ingress's decode overflow while the decode pool is busier): prompt and decode on this
+engine, no KV transfer, admitted and traced as on a decode replica (`decode/streams.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from decode.protocol import GenerationSpec
+from decode.streams import Streams
+from decode.trace import GenerationTrace
 from engine.config import EngineConfig
+from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, ObserverFactory
 from engine.scheduler import SchedulerOutput
 from engine.signals import RecentSamples, busy_seconds, prefill_signals
@@ -45,11 +53,13 @@ class PrefillServer:
         observers: Sequence[ObserverFactory] = (),
         cpu_affinity: Sequence[int] | None = None,
         source_host: str | None = None,
+        serves_decode: bool = False,
     ) -> None:
         """`telemetry(role)`, when given, sets up this process's tracing first (once);
         each of `observers` is called with `stats` once the replica is built;
         `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`); tcp
-        connections to decode replicas leave from `source_host` when given."""
+        connections to decode replicas leave from `source_host` when given;
+        `serves_decode` (`PoolConfig.serves_decode`): `generate` serves whole requests."""
         if telemetry is not None:
             telemetry(f"prefill:{pool}")
         self.pool = pool
@@ -71,9 +81,13 @@ class PrefillServer:
         # Prompt tokens accepted and not yet handed off, by priority (event loop only): the
         # ingress counts only the work at or above a request's priority as ahead of it.
         self._pending_tokens: Counter[int] = Counter()
+        # Whole requests (`generate`), when the pool serves them; event loop only.
+        self.streams: Streams | None = None
+        if serves_decode:
+            self.streams = Streams(self.replica.name, pool, engine_config.scheduler.max_num_seqs)
         self.replica.observers.extend(make(self.stats) for make in observers)
 
-    # ---- the request -----------------------------------------------------------------
+    # ---- the requests -----------------------------------------------------------------
 
     async def prefill(self, spec: PrefillRequest, ticket: Ticket) -> PrefillResult:
         """Called by a decode replica: prefill `spec`'s prompt into `ticket`'s blocks.
@@ -147,6 +161,25 @@ class PrefillServer:
             transfer_ms=phases.transfer_ms,
         )
 
+    async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
+        """Called by the ingress while the decode pool is busier than this pool (decode
+        overflow, `app/admission/overflow.py`): serve a whole request here, its prompt
+        prefilled and decoded on this replica, no KV transfer. Streams its deltas once it
+        holds one of the replica's slots, as a decode replica would."""
+        if self.streams is None:
+            raise RuntimeError(f"prefill pool {self.pool!r} does not serve whole requests")
+        async for delta in self.streams.serve(spec, self._generate):
+            yield delta
+
+    async def _generate(
+        self, spec: GenerationSpec, timeline: GenerationTrace
+    ) -> AsyncGenerator[RequestOutput, None]:
+        request = self.replica.make_request(spec)
+        timeline.local_request = request
+        self.replica.counters["whole_requests"] += 1
+        async for delta in self.replica.loop.generate(request):
+            yield delta
+
     def _layer_hook_for(self, output: SchedulerOutput):  # noqa: ANN202 - LayerHook | None
         """Engine thread: send each layer of requests whose prompt completes this step.
 
@@ -200,11 +233,14 @@ class PrefillServer:
         Never blocks the event loop."""
         signals = await self.record_autoscaling_stats()
         stats = await self.replica.routing_stats()
-        return {
+        routing = {
             **stats,
             "prefill_tokens_per_s": signals["prefill_tokens_per_s"],
             "pending_tokens_by_priority": {str(p): n for p, n in self._pending_tokens.items()},
         }
+        if self.streams is not None:  # load shedding weighs the wait for a stream slot
+            routing["admission"] = self.streams.admission.snapshot()
+        return routing
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`

@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.admission.config import AdaptivePrefillSettings
 from app.admission.shedding import ReplicaLoad, predict_ttft_s
-from app.config_sections import AdaptivePrefillSettings
 from app.router import RouteDecision
 from decode.placement import PoolSnapshot
 

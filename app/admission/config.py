@@ -1,9 +1,12 @@
-"""Config sections of admission control: tenant quotas, SLO classes, ingress replicas.
+"""Config sections of admission control: tenant quotas, SLO classes, ingress replicas,
+adaptive disaggregation.
 
 `TenantQuota` is a tenant's `quota` (every limit optional: None = unlimited). `SLOClass`es are
 listed in `admission.classes`; a tenant's `default_class` names one. `IngressSettings` is the
-`ingress` section (how many ingress replicas share the quotas). Cross-section checks (a
-tenant's class exists) run in `check_tenant_classes`, called by `PDServeConfig`.
+`ingress` section (how many ingress replicas share the quotas). `AdaptivePrefillSettings` is
+`adaptive_prefill` (where a prompt is prefilled, and when a prefill pool serves a whole
+request). Cross-section checks (a tenant's class exists) run in `check_tenant_classes`,
+called by `PDServeConfig`.
 """
 
 from __future__ import annotations
@@ -175,3 +178,64 @@ def check_tenant_classes(admission: AdmissionSettings, tenants: Sequence[_Tenant
                 f"tenant {tenant.name!r}: default_class {tenant.default_class!r} is not in "
                 f"admission.classes ({', '.join(known) or 'none configured'})"
             )
+
+
+class AdaptivePrefillSettings(_Strict):
+    """Adaptive disaggregation (`app/admission/adaptive.py`): a prompt the static rule sends
+    to a prefill pool is prefilled on its decode replica instead while that is cheaper."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Compare the prefill pool's predicted wait with the cost of prefilling on "
+        "the decode replica, per request at or above local_prefill_threshold; off = the "
+        "static threshold alone decides.",
+    )
+    margin: float = Field(
+        default=0.2,
+        ge=0,
+        lt=1,
+        allow_inf_nan=False,
+        description="Hysteresis: go local when the predicted remote wait exceeds the local "
+        "cost x (1 + margin), back to remote once it is no longer than the local cost; in "
+        "between a (prefill pool, decode pool) pair keeps its last choice.",
+    )
+    min_gain_s: float = Field(
+        default=0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="Go local only when that is predicted to save at least this many seconds "
+        "of TTFT (no local prefill, which stalls decoding, for a saving within the noise).",
+    )
+    local_cost_factor: float = Field(
+        default=1.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A local prefill's compute time is charged this many times more when the "
+        "decode replica has running sequences (they stall while the prompt is computed); "
+        "0 = count only the new request's wait.",
+    )
+    max_local_prompt_tokens: int = Field(
+        default=2048,
+        ge=1,
+        description="Longer prompts always go to their prefill pool (too long a stall for "
+        "the decode replica's running sequences).",
+    )
+    max_age_s: float = Field(
+        default=5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Pool load older than this counts as missing: the static rule decides.",
+    )
+    borrow_prefill_rate: bool = Field(
+        default=False,
+        description="Until a decode replica has measured its own prefill rate (from prompts "
+        "it prefilled itself), assume the prefill pool's measured rate (both run the same "
+        "model); off = the static rule decides until it has.",
+    )
+    decode_overflow_gap: int = Field(
+        default=2,
+        ge=1,
+        description="Prefill pools with `serves_decode` take a whole request (its prompt "
+        "prefilled and decoded there, no KV transfer) while the decode pool's least loaded "
+        "replica holds at least this many more sequences than theirs.",
+    )

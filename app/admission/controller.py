@@ -100,11 +100,14 @@ def tenant_quotas(tenants: Sequence[TenantConfig]) -> dict[str, tuple[TenantQuot
 def decode_pool_blocks(
     config: PDServeConfig, model_config: ModelConfig, fallback_config: ModelConfig | None = None
 ) -> dict[str, int]:
-    """KV blocks of each decode pool: one replica's blocks x its replicas (the fixed count,
-    or the autoscaling minimum: the share must hold even at the smallest size).
-    `fallback_config`: the fallback pool's own model (required when there is one)."""
+    """KV blocks of each pool that decodes (decode pools, and prefill pools that serve whole
+    requests): one replica's blocks x its replicas (the fixed count, or the autoscaling
+    minimum: the share must hold even at the smallest size). `fallback_config`: the
+    fallback pool's own model (required when there is one)."""
     blocks: dict[str, int] = {}
-    for pool in config.pools_by_role("decode"):
+    for pool in config.pools:
+        if pool.role != "decode" and not pool.serves_decode:
+            continue
         own = fallback_config if pool.fallback else model_config
         assert own is not None, f"fallback pool {pool.name} needs its model config"
         engine_config = config.engine_config(pool)

@@ -267,13 +267,21 @@ def test_bad_settings_are_refused_clearly(field: str, value: Any, message: str) 
 
 def test_benchmark_configs() -> None:
     """cpu-disagg measures static disaggregation; cpu-adaptive is the same app with the
-    adaptive rule on."""
+    adaptive rule on and its prefill replica serving whole requests (decode overflow)."""
     disagg = load_config(CONFIGS / "cpu-disagg.yaml")
     adaptive = load_config(CONFIGS / "cpu-adaptive.yaml")
     assert not disagg.adaptive_prefill.enabled
     assert adaptive.adaptive_prefill.enabled
-    same = {k: v for k, v in adaptive.model_dump().items() if k != "adaptive_prefill"}
-    assert same == {k: v for k, v in disagg.model_dump().items() if k != "adaptive_prefill"}
+    assert [p.serves_decode for p in adaptive.pools] == [True, False]
+    assert [p.serves_decode for p in disagg.pools] == [False, False]
+
+    def rest(config: PDServeConfig) -> dict[str, Any]:
+        dumped = config.model_dump()
+        for pool in dumped["pools"]:
+            del pool["serves_decode"], pool["max_ongoing_requests"]
+        return {k: v for k, v in dumped.items() if k != "adaptive_prefill"}
+
+    assert rest(adaptive) == rest(disagg)
     with open(CONFIGS / "cpu-adaptive.yaml", encoding="utf-8") as f:
         assert yaml.safe_load(f)["applications"][0]["import_path"] == "app.main:build_app"
 

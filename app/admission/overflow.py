@@ -1,0 +1,148 @@
+"""Decode overflow: a prefill pool with `serves_decode` serves whole requests while the
+decode pool is the busier of the two.
+
+Disaggregation gives a prefill replica's cores to prompts only. When the load is decode-bound
+(many short chat turns, few long prompts) those cores idle while the decode pool's batch
+grows and every token slows: on two cores, 1 prefill + 1 decode replica then has half the
+decode capacity of two colocated replicas (BENCHMARKS.md, the issue-14 run). A prefill pool
+marked `serves_decode` lends its replicas out: after the router and adaptive
+disaggregation have placed a request, the ingress compares the sequences (running, queued,
+awaiting KV: `num_sequences` in the routing stats) on the decode pool's least loaded replica
+with those on each such prefill pool's, and when the decode pool holds at least
+`adaptive_prefill.decode_overflow_gap` more, the whole request (prompt and decode, no KV
+transfer) goes to that prefill pool's `generate` instead (`prefill/server.py`). Otherwise
+the route stands: long prompts still prefill on the prefill pool, short ones on the decode
+replica, so prompts keep their isolation whenever the decode pool has room.
+
+A candidate pool must cover the prompt's length (its context range) and be one the tenant may
+use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
+up to a stats period; the sequences this ingress replica sent to a pool since its snapshot
+are added to it, so a burst does not all go one way. Missing or stale loads (older than
+`adaptive_prefill.max_age_s`) leave the route as it is. Event loop only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from app.config import PDServeConfig, PoolConfig
+from app.router import RouteDecision
+from decode.placement import PoolSnapshot
+
+MAX_SENT_ENTRIES = 4096  # per pool; far above the requests of one stats period
+
+
+@dataclass(frozen=True, slots=True)
+class OverflowChoice:
+    """`pool`: the prefill pool that serves the whole request (None: the route stands)."""
+
+    pool: str | None
+    reason: str
+
+
+def choose_overflow(decode: float, candidates: Mapping[str, float], gap: int) -> OverflowChoice:
+    """Where a request goes, from the sequences on the decode pool's least loaded replica
+    (`decode`) and on each candidate pool's (`candidates`, in preference order)."""
+    if not candidates:
+        return OverflowChoice(None, "no prefill pool that serves decode has a recent load")
+    pool, load = min(candidates.items(), key=lambda item: item[1])
+    figures = f"{decode:.1f} sequences on decode vs {load:.1f} on {pool}"
+    if decode - load >= gap:
+        return OverflowChoice(pool, f"decode overflow: {figures} -> served whole on {pool}")
+    return OverflowChoice(None, f"{figures}: gap below {gap}, route stands")
+
+
+class _SentSequences:
+    """Sequences this ingress replica sent to each pool, with when (monotonic)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, deque[tuple[float, int]]] = {}
+
+    def add(self, pool: str, num_sequences: int, now: float) -> None:
+        self._sent.setdefault(pool, deque(maxlen=MAX_SENT_ENTRIES)).append((now, num_sequences))
+
+    def since(self, pool: str, since: float) -> int:
+        """Sequences sent to `pool` after `since`, forgetting older entries."""
+        entries = self._sent.get(pool)
+        if not entries:
+            return 0
+        while entries and entries[0][0] <= since:
+            entries.popleft()
+        return sum(n for _, n in entries)
+
+
+class DecodeOverflow:
+    """The ingress's decode overflow (module docstring): may move a placed request whole
+    onto a prefill pool with `serves_decode`."""
+
+    def __init__(
+        self,
+        config: PDServeConfig,
+        snapshot: Callable[[str], PoolSnapshot | None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`snapshot(pool)`: the pool's latest load, never waiting (`PoolLoadMonitor`)."""
+        self._config = config
+        self._snapshot = snapshot
+        self._clock = clock
+        self._gap = config.adaptive_prefill.decode_overflow_gap
+        self._max_age_s = config.adaptive_prefill.max_age_s
+        self._serving: list[PoolConfig] = [p for p in config.pools if p.serves_decode]
+        self._sent = _SentSequences()
+
+    @property
+    def enabled(self) -> bool:
+        """True when some prefill pool serves whole requests."""
+        return bool(self._serving)
+
+    @property
+    def pools(self) -> list[str]:
+        """The prefill pools that serve whole requests (their handles need `generate`)."""
+        return [pool.name for pool in self._serving]
+
+    def apply(
+        self, route: RouteDecision, num_prompt_tokens: int, tenant: str, num_sequences: int = 1
+    ) -> RouteDecision:
+        """`route`, moved whole onto a prefill pool when the decode pool is busier by the
+        gap, its reason extended with the figures; `num_sequences`: the request's `n`."""
+        if not self._serving:
+            return route
+        now = self._clock()
+        decode = self._load(route.decode_pool, now)
+        choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
+        if decode is not None:
+            allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
+            candidates = {
+                pool.name: load
+                for pool in self._serving
+                if pool.name in allowed
+                and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
+                and (load := self._load(pool.name, now)) is not None
+            }
+            choice = choose_overflow(decode, candidates, self._gap)
+        reason = f"{route.reason}; {choice.reason}"
+        if choice.pool is None:
+            self._sent.add(route.decode_pool, num_sequences, now)
+            if route.prefill_pool is not None:  # its prompt is computed there meanwhile
+                self._sent.add(route.prefill_pool, num_sequences, now)
+            return dataclasses.replace(route, reason=reason)
+        self._sent.add(choice.pool, num_sequences, now)
+        return dataclasses.replace(
+            route, decode_pool=choice.pool, prefill_pool=None, local_prefill=True, reason=reason
+        )
+
+    def _load(self, pool: str, now: float) -> float | None:
+        """Sequences on the pool's least loaded replica, with what this ingress sent since
+        its snapshot spread over its replicas; None when missing or stale."""
+        snapshot = self._snapshot(pool)
+        if snapshot is None or not snapshot.replicas or now - snapshot.updated_at > self._max_age_s:
+            return None
+        loads = [s.get("num_sequences") for s in snapshot.replicas.values()]
+        known = [float(n) for n in loads if n is not None]
+        if not known:
+            return None
+        return min(known) + self._sent.since(pool, snapshot.updated_at) / len(snapshot.replicas)

@@ -1,0 +1,247 @@
+"""Decode overflow: a prefill pool with `serves_decode` takes whole requests while the
+decode pool is busier. The decision on constructed loads, the route it rewrites, its
+config, and a real prefill replica serving a whole request token-identical to a decode
+replica."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from app.admission.controller import decode_pool_blocks
+from app.admission.overflow import DecodeOverflow, choose_overflow
+from app.config import PDServeConfig
+from app.router import RouteDecision
+from decode.placement import PoolView
+from decode.protocol import GenerationSpec
+from decode.server import DecodeServer
+from engine.builtin import write_builtin_model
+from engine.config import EngineConfig
+from engine.loader import load_model_config
+from engine.request import SamplingParams
+from prefill.server import PrefillServer
+
+# ---- the decision ----------------------------------------------------------------------
+
+
+def test_busier_decode_pool_overflows_to_the_least_loaded_candidate() -> None:
+    choice = choose_overflow(6.0, {"prefill": 1.0, "prefill-long": 0.0}, gap=2)
+    assert choice.pool == "prefill-long"
+    assert choice.reason == (
+        "decode overflow: 6.0 sequences on decode vs 0.0 on prefill-long -> served whole "
+        "on prefill-long"
+    )
+
+
+@pytest.mark.parametrize(("decode", "candidate", "moved"), [(3, 1, True), (2.9, 1, False)])
+def test_the_gap_is_inclusive(decode: float, candidate: float, moved: bool) -> None:
+    choice = choose_overflow(decode, {"prefill": candidate}, gap=2)
+    assert (choice.pool == "prefill") is moved
+    if not moved:
+        assert "gap below 2, route stands" in choice.reason
+
+
+def test_no_candidate_leaves_the_route() -> None:
+    choice = choose_overflow(10.0, {}, gap=1)
+    assert choice.pool is None and "no prefill pool that serves decode" in choice.reason
+
+
+# ---- the route -------------------------------------------------------------------------
+
+
+def config(serves_decode: bool = True, **extra: Any) -> PDServeConfig:
+    return PDServeConfig.model_validate(
+        {
+            "pools": [
+                {"name": "prefill", "role": "prefill", "serves_decode": serves_decode},
+                {"name": "decode", "role": "decode"},
+            ],
+            **extra,
+        }
+    )
+
+
+class Loads:
+    """Pool loads as the ingress's replica routers publish them (a real `PoolView`), read
+    `age` seconds after they were published."""
+
+    def __init__(self) -> None:
+        self.view = PoolView()
+        self.age = 0.0
+
+    def publish(self, pool: str, *sequences: int) -> None:
+        replicas = [(f"{pool}-{i}", {"num_sequences": n}) for i, n in enumerate(sequences)]
+        self.view.update(pool, replicas)
+
+    def overflow(self, cfg: PDServeConfig | None = None) -> DecodeOverflow:
+        return DecodeOverflow(cfg or config(), self.view.get, clock=self.clock)
+
+    def clock(self) -> float:
+        return time.monotonic() + self.age
+
+
+LOCAL = RouteDecision(None, "decode", True, 0, "len 40 < local_prefill_threshold 64")
+REMOTE = RouteDecision("prefill", "decode", False, 0, "len 900 in [64, inf] -> pool prefill")
+
+
+def test_apply_moves_the_whole_request_and_says_why() -> None:
+    loads = Loads()
+    loads.publish("decode", 5)
+    loads.publish("prefill", 1)
+    for route in (LOCAL, REMOTE):
+        moved = loads.overflow().apply(route, 40, "")
+        assert moved.decode_pool == "prefill"
+        assert moved.local_prefill and moved.prefill_pool is None
+        assert moved.reason == (
+            f"{route.reason}; decode overflow: 5.0 sequences on decode vs 1.0 on prefill "
+            "-> served whole on prefill"
+        )
+
+
+def test_apply_keeps_the_route_while_decode_has_room() -> None:
+    loads = Loads()
+    loads.publish("decode", 2, 7)  # the least loaded decode replica counts
+    loads.publish("prefill", 1)
+    route = loads.overflow().apply(REMOTE, 900, "")
+    assert route.prefill_pool == "prefill" and route.decode_pool == "decode"
+    assert route.reason.endswith("1.0 on prefill: gap below 2, route stands")
+
+
+def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
+    loads = Loads()
+    overflow = loads.overflow()
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"  # nothing seen yet
+    loads.publish("decode", 9)
+    assert "no prefill pool that serves decode" in overflow.apply(LOCAL, 40, "").reason
+    loads.publish("prefill", 0)
+    loads.age = 6.0  # older than adaptive_prefill.max_age_s (5 s)
+    route = overflow.apply(LOCAL, 40, "")
+    assert route == RouteDecision(
+        None, "decode", True, 0, f"{LOCAL.reason}; no recent load of decode pool decode"
+    )
+
+
+def test_a_burst_is_split_between_the_pools() -> None:
+    """Within one stats period the sequences sent each way count there: from a decode pool
+    4 ahead, a burst overflows until the two are within the gap, then alternates."""
+    loads = Loads()
+    loads.publish("decode", 4)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow()
+    pools = [overflow.apply(LOCAL, 40, "").decode_pool for _ in range(6)]
+    assert pools == ["prefill", "prefill", "prefill", "decode", "prefill", "decode"], pools
+
+
+def test_n_counts_every_sequence() -> None:
+    loads = Loads()
+    loads.publish("decode", 4)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow()
+    assert overflow.apply(LOCAL, 40, "", num_sequences=8).decode_pool == "prefill"
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"  # prefill now holds 8
+
+
+def test_only_pools_the_tenant_may_use_and_that_cover_the_length() -> None:
+    keys = {"keys": ["k-acme"]}
+    cfg = PDServeConfig.model_validate(
+        {
+            "pools": [
+                {"name": "prefill", "role": "prefill", "serves_decode": True},
+                {"name": "decode", "role": "decode"},
+                {
+                    "name": "prefill-long",
+                    "role": "prefill",
+                    "serves_decode": True,
+                    "min_context_tokens": 2048,
+                },
+            ],
+            "tenants": [
+                {"name": "acme", "api_keys": keys["keys"], "allowed_pools": ["prefill", "decode"]},
+                {"name": "globex", "api_keys": ["k-globex"]},
+            ],
+        }
+    )
+    loads = Loads()
+    loads.publish("decode", 6)
+    loads.publish("prefill", 3)
+    loads.publish("prefill-long", 0)
+    overflow = loads.overflow(cfg)
+    assert overflow.apply(LOCAL, 40, "globex").decode_pool == "prefill"  # long pool: > 40
+    assert overflow.apply(LOCAL, 3000, "globex").decode_pool == "prefill-long"
+    assert overflow.apply(LOCAL, 3000, "acme").decode_pool == "prefill"  # not allowed long
+
+
+def test_no_serving_pool_means_no_change() -> None:
+    overflow = Loads().overflow(config(serves_decode=False))
+    assert not overflow.enabled and overflow.pools == []
+    assert overflow.apply(LOCAL, 40, "") is LOCAL
+
+
+# ---- config ----------------------------------------------------------------------------
+
+
+def test_serves_decode_is_for_prefill_pools_with_adaptive_on() -> None:
+    with pytest.raises(ValidationError, match="serves_decode applies to prefill pools only"):
+        PDServeConfig.model_validate(
+            {"pools": [{"name": "d", "role": "decode", "serves_decode": True}]}
+        )
+    with pytest.raises(ValidationError, match="needs adaptive_prefill.enabled"):
+        config(adaptive_prefill={"enabled": False})
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        config(adaptive_prefill={"decode_overflow_gap": 0})
+
+
+def test_a_serving_prefill_pool_has_a_kv_share(tmp_path: Path) -> None:
+    """Tenant KV shares are of the blocks of every pool that decodes."""
+    model_dir = write_builtin_model(tmp_path / "tiny", "tiny")
+    cfg = config(model={"model": str(model_dir)})
+    blocks = decode_pool_blocks(cfg, load_model_config(str(model_dir), "float32"))
+    assert set(blocks) == {"prefill", "decode"} and blocks["prefill"] == blocks["decode"] > 0
+    plain = config(serves_decode=False, model={"model": str(model_dir)})
+    assert set(decode_pool_blocks(plain, load_model_config(str(model_dir), "float32"))) == {
+        "decode"
+    }
+
+
+# ---- a real prefill replica serving a whole request ------------------------------------
+
+
+def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: Path) -> None:
+    """Greedy output of a prefill replica's `generate` equals a decode replica's, it
+    reports its stream slots for load shedding, and its KV pool is empty afterwards; a
+    prefill replica without `serves_decode` refuses."""
+    model_dir = write_builtin_model(tmp_path / "tiny", "tiny")
+    engine_config = EngineConfig(model_dir=str(model_dir))
+    serving = PrefillServer(engine_config, backend="shm", serves_decode=True)
+    plain = PrefillServer(engine_config, backend="shm")
+    decode = DecodeServer(engine_config, backend="shm")
+    try:
+        prompt = tuple(decode.engine.tokenize("the prefill replica decodes too, " * 6))
+        spec = GenerationSpec(
+            request_id="r0",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=12, temperature=0.0),
+        )
+
+        async def tokens(server: Any) -> list[int]:
+            return [t async for delta in server.generate(spec) for t in delta.new_token_ids]
+
+        expected = asyncio.run(tokens(decode))
+        assert len(expected) == 12
+        assert asyncio.run(tokens(serving)) == expected
+        assert serving.replica.counters["whole_requests"] == 1
+        stats = asyncio.run(serving.record_routing_stats())
+        assert stats["admission"]["num_active"] == 0 and stats["num_sequences"] == 0
+        occupancy = serving.replica.loop.occupancy
+        assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
+        with pytest.raises(RuntimeError, match="does not serve whole requests"):
+            asyncio.run(tokens(plain))
+        assert "admission" not in asyncio.run(plain.record_routing_stats())
+    finally:
+        for server in (serving, plain, decode):
+            server.shutdown()
