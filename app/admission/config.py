@@ -237,5 +237,8 @@ class AdaptivePrefillSettings(_Strict):
         ge=1,
         description="Prefill pools with `serves_decode` take a whole request (its prompt "
         "prefilled and decoded there, no KV transfer) while the decode pool's least loaded "
-        "replica holds at least this many more sequences than theirs.",
+        "replica holds at least this many more sequences than theirs. 1 balances at any "
+        "imbalance (CPU replicas, where a decode step's cost grows with its batch); a larger "
+        "gap keeps prompts isolated until decode is that far ahead (GPUs, where a bigger "
+        "batch costs little until memory or the batch limit binds).",
     )
