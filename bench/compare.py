@@ -351,9 +351,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
 
     def save(partial: dict[str, Any] | None, slos: Slos) -> None:
-        """A checkpoint (after every point): `--resume` continues from it."""
+        """A checkpoint (after every point): `--resume` continues from it. Interrupted
+        runs not resumed yet are kept beside the one being measured."""
+        here = None if partial is None else (partial["config"], partial["seed"])
+        kept = [p for p in started if (p["config"], p["seed"]) != here]
+        in_progress = [*kept, partial] if partial is not None else kept
         checkpoint = {**header, "complete": False, "slo": slo_section(slos, baseline)}
-        compare_store.save_json(args.json, {**checkpoint, "runs": runs, "in_progress": partial})
+        compare_store.save_json(
+            args.json, {**checkpoint, "runs": runs, "in_progress": in_progress or None}
+        )
 
     done = sum(len(runs[name]) for name in names)
     with tqdm(total=len(seeds) * len(names), initial=done, desc="compare", file=sys.stderr) as bar:
@@ -362,10 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if any(run["seed"] == seed for run in runs[name]):
                     continue  # kept from the checkpoint (--resume)
                 start = next_start(runs[name], args.rate_start)
-                ours = started and (started["config"], started["seed"]) == (name, seed)
-                mine = started if ours else None
+                mine = next((p for p in started if (p["config"], p["seed"]) == (name, seed)), None)
                 run, slos = run_with_retry(name, seed, args, slos, start, bar, mine, save)
                 runs[name].append(run)
+                started = [p for p in started if p is not mine]
                 save(None, slos)
                 bar.update(1)
     assert slos is not None  # set by the first run (seeds >= 1)

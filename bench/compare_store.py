@@ -31,18 +31,20 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(json.loads(json.dumps(kept, default=str)))
 
 
-Resumed = tuple[dict[str, list[dict[str, Any]]], Slos | None, dict[str, Any] | None]
+# runs by config, the SLOs, and the interrupted runs' partial runs (config, seed, points)
+Resumed = tuple[dict[str, list[dict[str, Any]]], Slos | None, list[dict[str, Any]]]
 
 
 def resumed(args: argparse.Namespace) -> Resumed:
-    """With `--resume`: the runs, SLOs and the interrupted run's points (`in_progress`)
+    """With `--resume`: the runs, SLOs and the interrupted runs' points (`in_progress`: a
+    run interrupted before another config's started stays there until it is resumed)
     `--json` holds, if it was written with the same settings (else an error naming the
     differences); nothing without `--resume` or without the file. `--configs` may grow
     as `--seeds` may: configs added before the same baseline (the last, whose first run
     set the SLOs) are measured, the file's runs kept."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.names}
     if not args.resume or not args.json.exists():
-        return runs, None, None
+        return runs, None, []
     saved = json.loads(args.json.read_text())
     ours = settings(args)
     theirs = saved.get("settings", {})
@@ -53,9 +55,11 @@ def resumed(args: argparse.Namespace) -> Resumed:
         raise SystemExit(f"--resume: {args.json} was written with other settings ({listed})")
     for name in args.names:
         runs[name] = list(saved["runs"].get(name, []))
-    slo, started = saved.get("slo"), saved.get("in_progress")
+    slo, started = saved.get("slo"), saved.get("in_progress") or []
+    if isinstance(started, dict):  # written before several could be kept
+        started = [started]
     if not slo:
-        return runs, None, None
+        return runs, None, []
     plan = {label: SLO(**values) for label, values in slo["classes"].items()}
     shared = None if slo["shared"] is None else SLO(**slo["shared"])
     return runs, (plan, shared, slo["how"]), started

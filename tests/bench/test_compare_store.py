@@ -35,7 +35,7 @@ def test_configs_may_grow_before_the_same_baseline(tmp_path: Path) -> None:
     )
     runs, slos, started = resumed(args)
     assert runs == {"cpu-disagg": [], "cpu-adaptive": [], "cpu-colocated": [RUN]}
-    assert slos is not None and slos[2] == "given" and started is None
+    assert slos is not None and slos[2] == "given" and started == []
 
 
 @pytest.mark.parametrize(
@@ -50,3 +50,17 @@ def test_other_configs_are_refused(tmp_path: Path, configs: str) -> None:
     args = parse_args(["--configs", configs, "--json", str(out), "--resume"])
     with pytest.raises(SystemExit, match="configs: 'cpu-disagg,cpu-colocated' ->"):
         resumed(args)
+
+
+def test_every_interrupted_run_is_kept(tmp_path: Path) -> None:
+    """A run interrupted before another config's started stays in `in_progress` beside it
+    (a list); a file from before keeps its one run (a dict)."""
+    out = checkpoint(tmp_path, "--configs", "cpu-disagg,cpu-colocated")
+    partial = {"config": "cpu-disagg", "seed": 0, "rate_start": 0.5, "points": [{"rate": 0.5}]}
+    document = json.loads(out.read_text())
+    args = parse_args(["--configs", "cpu-disagg,cpu-colocated", "--json", str(out), "--resume"])
+    for in_progress, expected in [(partial, [partial]), ([partial, partial], [partial] * 2)]:
+        out.write_text(json.dumps({**document, "in_progress": in_progress}))
+        assert resumed(args)[2] == expected
+    out.write_text(json.dumps({**document, "in_progress": None}))
+    assert resumed(args)[2] == []
