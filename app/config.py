@@ -10,7 +10,6 @@ pool may override only engine sizes (`PoolConfig.engine`; `PDServeConfig.engine_
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -25,7 +24,7 @@ from app.admission.config import (
     check_tenant_classes,
 )
 from app.admission.overload_config import OverloadSettings
-from app.config_pools import AutoscalingSettings, PoolConfig
+from app.config_pools import AutoscalingSettings, PoolConfig, check_prefill_coverage
 from app.config_sections import (
     ConfigError,
     EngineOverrides,
@@ -193,42 +192,13 @@ class PDServeConfig(_Strict):
         ]
         if no_gpu:
             raise ValueError(f"model.device is 'cuda' but pools {', '.join(no_gpu)} set num_gpus 0")
-        self._check_coverage()
+        check_prefill_coverage(
+            self.pools_by_role("prefill"),
+            self.remote_prefill_lengths,
+            self.local_prefill_threshold,
+            self.limits.max_prompt_tokens,
+        )
         return self
-
-    def _check_coverage(self) -> None:
-        prefill = self.pools_by_role("prefill")
-        needed = self.remote_prefill_lengths
-        if needed is None:
-            if prefill:
-                raise ValueError(
-                    f"local_prefill_threshold ({self.local_prefill_threshold}) > "
-                    f"limits.max_prompt_tokens ({self.limits.max_prompt_tokens}) prefills "
-                    f"every prompt locally, so prefill pool(s) "
-                    f"{', '.join(p.name for p in prefill)} would never be used"
-                )
-            return
-        if not prefill:
-            raise ValueError(
-                f"no prefill pool, but prompts of {needed[0]}..{needed[1]} tokens need remote "
-                "prefill; add a prefill pool, or set local_prefill_threshold above "
-                "limits.max_prompt_tokens for colocated serving"
-            )
-        low, high = needed
-        for pool in prefill:
-            pool_low, pool_high = pool.context_range
-            if pool_high < low or pool_low > high:
-                raise ValueError(
-                    f"prefill pool {pool.name!r} serves lengths {_fmt_range(pool_low, pool_high)}"
-                    f", which no remotely prefilled prompt ({low}..{high}) can have"
-                )
-        gaps = _uncovered(low, high, [pool.context_range for pool in prefill])
-        if gaps:
-            raise ValueError(
-                "prefill pools' context ranges leave prompt lengths "
-                f"{', '.join(_fmt_range(a, b) for a, b in gaps)} uncovered (remote prefill "
-                f"covers {low}..{high}: local_prefill_threshold..limits.max_prompt_tokens)"
-            )
 
     @model_validator(mode="after")
     def _check_degradable(self) -> PDServeConfig:
@@ -363,29 +333,6 @@ def _check_unique_keys(keys_by_tenant: Mapping[str, list[str]]) -> None:
                     f"{owner[key]!r}; keys must be unique across tenants"
                 )
             owner[key] = tenant
-
-
-def _fmt_range(low: int | float, high: int | float) -> str:
-    return f"{low}.." + ("inf" if high == math.inf else f"{high}")
-
-
-def _uncovered(
-    low: int, high: int, ranges: list[tuple[int | float, int | float]]
-) -> list[tuple[int, int]]:
-    """Maximal integer intervals of `low..high` inside none of the inclusive `ranges`."""
-    clipped = sorted(
-        (max(int(start), low), high if end == math.inf else min(int(end), high))
-        for start, end in ranges
-    )
-    gaps: list[tuple[int, int]] = []
-    first_uncovered = low
-    for start, end in clipped:
-        if start > first_uncovered:
-            gaps.append((first_uncovered, start - 1))
-        first_uncovered = max(first_uncovered, end + 1)
-    if first_uncovered <= high:
-        gaps.append((first_uncovered, high))
-    return gaps
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> PDServeConfig:

@@ -1,7 +1,8 @@
-"""Pool sections of the configuration: a pool and its autoscaling.
+"""Pool sections of the configuration: a pool and its autoscaling, and the check that the
+prefill pools' context ranges cover every remotely prefilled prompt length.
 
 Strict pydantic models like the other sections (`app/config_sections.py`); `app/config.py`
-assembles them into `PDServeConfig`.
+assembles them into `PDServeConfig` and calls `check_prefill_coverage`.
 """
 
 from __future__ import annotations
@@ -317,3 +318,66 @@ class PoolConfig(_Strict):
                 "policy_kwargs": settings.policy_knobs(),
             }
         return config
+
+
+def check_prefill_coverage(
+    prefill: list[PoolConfig],
+    needed: tuple[int, int] | None,
+    threshold: int,
+    max_prompt_tokens: int,
+) -> None:
+    """The prefill pools' context ranges cover every remotely prefilled length (`needed`:
+    `threshold..max_prompt_tokens`, None when every prompt is prefilled locally), and
+    each pool serves some of them; else a `ValueError` naming the gap or the pool."""
+    if needed is None:
+        if prefill:
+            raise ValueError(
+                f"local_prefill_threshold ({threshold}) > limits.max_prompt_tokens "
+                f"({max_prompt_tokens}) prefills every prompt locally, so prefill pool(s) "
+                f"{', '.join(p.name for p in prefill)} would never be used"
+            )
+        return
+    if not prefill:
+        raise ValueError(
+            f"no prefill pool, but prompts of {needed[0]}..{needed[1]} tokens need remote "
+            "prefill; add a prefill pool, or set local_prefill_threshold above "
+            "limits.max_prompt_tokens for colocated serving"
+        )
+    low, high = needed
+    for pool in prefill:
+        pool_low, pool_high = pool.context_range
+        if pool_high < low or pool_low > high:
+            raise ValueError(
+                f"prefill pool {pool.name!r} serves lengths {_fmt_range(pool_low, pool_high)}"
+                f", which no remotely prefilled prompt ({low}..{high}) can have"
+            )
+    gaps = _uncovered(low, high, [pool.context_range for pool in prefill])
+    if gaps:
+        raise ValueError(
+            "prefill pools' context ranges leave prompt lengths "
+            f"{', '.join(_fmt_range(a, b) for a, b in gaps)} uncovered (remote prefill "
+            f"covers {low}..{high}: local_prefill_threshold..limits.max_prompt_tokens)"
+        )
+
+
+def _fmt_range(low: int | float, high: int | float) -> str:
+    return f"{low}.." + ("inf" if high == math.inf else f"{high}")
+
+
+def _uncovered(
+    low: int, high: int, ranges: list[tuple[int | float, int | float]]
+) -> list[tuple[int, int]]:
+    """Maximal integer intervals of `low..high` inside none of the inclusive `ranges`."""
+    clipped = sorted(
+        (max(int(start), low), high if end == math.inf else min(int(end), high))
+        for start, end in ranges
+    )
+    gaps: list[tuple[int, int]] = []
+    first_uncovered = low
+    for start, end in clipped:
+        if start > first_uncovered:
+            gaps.append((first_uncovered, start - 1))
+        first_uncovered = max(first_uncovered, end + 1)
+    if first_uncovered <= high:
+        gaps.append((first_uncovered, high))
+    return gaps
