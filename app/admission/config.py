@@ -242,3 +242,13 @@ class AdaptivePrefillSettings(_Strict):
         "gap keeps prompts isolated until decode is that far ahead (GPUs, where a bigger "
         "batch costs little until memory or the batch limit binds).",
     )
+    decode_overflow_max_prompt_busy: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="A prefill replica takes whole requests only while it spent at most this "
+        "share of the last 30 s computing prompts for decode replicas (`prompt_busy`): a "
+        "whole request there stalls while each prompt is computed, so a pool busy with "
+        "prompts (the prefill-bound case, where disaggregation pays) keeps to them.",
+    )

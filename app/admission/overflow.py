@@ -14,6 +14,13 @@ transfer) goes to that prefill pool's `generate` instead (`prefill/server.py`). 
 the route stands: long prompts still prefill on the prefill pool, short ones on the decode
 replica, so prompts keep their isolation whenever the decode pool has room.
 
+Only prefill replicas that are mostly idle between prompts take whole requests: one whose
+share of the last 30 s spent computing prompts for decode replicas (`prompt_busy` in its
+routing stats) exceeds `adaptive_prefill.decode_overflow_max_prompt_busy` is left to its
+prompts, since a whole request there would stall while each one is computed. That is the
+prefill-bound case (long-context load), where disaggregation pays and overflow would undo
+it (BENCHMARKS.md: with the gap rule alone, overflowed requests missed TPOT there).
+
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
 up to a stats period; the sequences this ingress replica sent to a pool since its snapshot
@@ -44,11 +51,19 @@ class OverflowChoice:
     reason: str
 
 
-def choose_overflow(decode: float, candidates: Mapping[str, float], gap: int) -> OverflowChoice:
+def choose_overflow(
+    decode: float, candidates: Mapping[str, float | None], gap: int
+) -> OverflowChoice:
     """Where a request goes, from the sequences on the decode pool's least loaded replica
-    (`decode`) and on each candidate pool's (`candidates`, in preference order)."""
+    (`decode`) and on each candidate pool's (`candidates`, in preference order; None: no
+    replica of that pool is idle enough between prompts to take whole requests)."""
     if not candidates:
         return OverflowChoice(None, "no prefill pool that serves decode has a recent load")
+    idle = {pool: load for pool, load in candidates.items() if load is not None}
+    if not idle:
+        busy = ", ".join(candidates)
+        return OverflowChoice(None, f"prefill pools {busy} busy with prompts: route stands")
+    candidates = idle
     pool, load = min(candidates.items(), key=lambda item: item[1])
     figures = f"{decode:.1f} sequences on decode vs {load:.1f} on {pool}"
     if decode - load >= gap:
@@ -91,6 +106,7 @@ class DecodeOverflow:
         self._clock = clock
         self._gap = config.adaptive_prefill.decode_overflow_gap
         self._max_age_s = config.adaptive_prefill.max_age_s
+        self._max_prompt_busy = config.adaptive_prefill.decode_overflow_max_prompt_busy
         self._serving: list[PoolConfig] = [p for p in config.pools if p.serves_decode]
         self._sent = _SentSequences()
 
@@ -112,17 +128,17 @@ class DecodeOverflow:
         if not self._serving:
             return route
         now = self._clock()
-        decode = self._load(route.decode_pool, now)
+        snapshot = self._fresh(route.decode_pool, now)
+        decode = None if snapshot is None else self._least(route.decode_pool, snapshot)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         if decode is not None:
             allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
-            candidates = {
-                pool.name: load
-                for pool in self._serving
-                if pool.name in allowed
-                and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
-                and (load := self._load(pool.name, now)) is not None
-            }
+            candidates: dict[str, float | None] = {}
+            for pool in self._serving:
+                low, high = pool.context_range
+                seen = self._fresh(pool.name, now)
+                if pool.name in allowed and low <= num_prompt_tokens <= high and seen:
+                    candidates[pool.name] = self._least(pool.name, seen, self._max_prompt_busy)
             choice = choose_overflow(decode, candidates, self._gap)
         reason = f"{route.reason}; {choice.reason}"
         if choice.pool is None:
@@ -135,14 +151,24 @@ class DecodeOverflow:
             route, decode_pool=choice.pool, prefill_pool=None, local_prefill=True, reason=reason
         )
 
-    def _load(self, pool: str, now: float) -> float | None:
-        """Sequences on the pool's least loaded replica, with what this ingress sent since
-        its snapshot spread over its replicas; None when missing or stale."""
+    def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:
+        """The pool's snapshot if it has replicas reporting sequences and is recent."""
         snapshot = self._snapshot(pool)
-        if snapshot is None or not snapshot.replicas or now - snapshot.updated_at > self._max_age_s:
+        if snapshot is None or now - snapshot.updated_at > self._max_age_s:
             return None
-        loads = [s.get("num_sequences") for s in snapshot.replicas.values()]
-        known = [float(n) for n in loads if n is not None]
-        if not known:
+        reporting = any(s.get("num_sequences") is not None for s in snapshot.replicas.values())
+        return snapshot if reporting else None
+
+    def _least(
+        self, pool: str, snapshot: PoolSnapshot, max_prompt_busy: float | None = None
+    ) -> float | None:
+        """Sequences on the pool's least loaded replica, with what this ingress sent since
+        the snapshot spread over its replicas. With `max_prompt_busy`, only replicas at most
+        that busy with prompts count (None when none is)."""
+        stats = [s for s in snapshot.replicas.values() if s.get("num_sequences") is not None]
+        if max_prompt_busy is not None:
+            stats = [s for s in stats if float(s.get("prompt_busy", 0.0)) <= max_prompt_busy]
+        if not stats:
             return None
-        return min(known) + self._sent.since(pool, snapshot.updated_at) / len(snapshot.replicas)
+        extra = self._sent.since(pool, snapshot.updated_at) / len(snapshot.replicas)
+        return min(float(s["num_sequences"]) for s in stats) + extra

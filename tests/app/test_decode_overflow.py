@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.admission.controller import decode_pool_blocks
-from app.admission.overflow import DecodeOverflow, choose_overflow
+from app.admission.overflow import DecodeOverflow, OverflowChoice, choose_overflow
 from app.config import PDServeConfig
 from app.router import RouteDecision
 from decode.placement import PoolView
@@ -25,6 +25,8 @@ from engine.config import EngineConfig
 from engine.loader import load_model_config
 from engine.request import SamplingParams
 from prefill.server import PrefillServer
+
+SETTLE_TIMEOUT_S = 10.0
 
 # ---- the decision ----------------------------------------------------------------------
 
@@ -51,6 +53,13 @@ def test_no_candidate_leaves_the_route() -> None:
     assert choice.pool is None and "no prefill pool that serves decode" in choice.reason
 
 
+def test_pools_busy_with_prompts_are_no_candidates() -> None:
+    choice = choose_overflow(10.0, {"prefill": None, "prefill-long": 1.0}, gap=1)
+    assert choice.pool == "prefill-long"
+    choice = choose_overflow(10.0, {"prefill": None}, gap=1)
+    assert choice == OverflowChoice(None, "prefill pools prefill busy with prompts: route stands")
+
+
 # ---- the route -------------------------------------------------------------------------
 
 
@@ -74,9 +83,9 @@ class Loads:
         self.view = PoolView()
         self.age = 0.0
 
-    def publish(self, pool: str, *sequences: int) -> None:
-        replicas = [(f"{pool}-{i}", {"num_sequences": n}) for i, n in enumerate(sequences)]
-        self.view.update(pool, replicas)
+    def publish(self, pool: str, *sequences: int, prompt_busy: float = 0.0) -> None:
+        stats = [{"num_sequences": n, "prompt_busy": prompt_busy} for n in sequences]
+        self.view.update(pool, [(f"{pool}-{i}", s) for i, s in enumerate(stats)])
 
     def overflow(self, cfg: PDServeConfig | None = None) -> DecodeOverflow:
         return DecodeOverflow(cfg or config(), self.view.get, clock=self.clock)
@@ -124,6 +133,28 @@ def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
     assert route == RouteDecision(
         None, "decode", True, 0, f"{LOCAL.reason}; no recent load of decode pool decode"
     )
+
+
+def test_a_prefill_replica_busy_with_prompts_keeps_to_them() -> None:
+    """Over `decode_overflow_max_prompt_busy` (0.25) of its recent time computing prompts, a
+    prefill replica takes no whole request (they would stall behind each prompt)."""
+    loads = Loads()
+    loads.publish("decode", 6)
+    loads.publish("prefill", 0, prompt_busy=0.6)
+    route = loads.overflow().apply(LOCAL, 40, "")
+    assert route.decode_pool == "decode"
+    assert route.reason.endswith("prefill pools prefill busy with prompts: route stands")
+    loads.publish("prefill", 0, prompt_busy=0.25)
+    assert loads.overflow().apply(LOCAL, 40, "").decode_pool == "prefill"
+    loads.view.update(
+        "prefill",
+        [
+            ("prefill-0", {"num_sequences": 0, "prompt_busy": 0.9}),
+            ("prefill-1", {"num_sequences": 3, "prompt_busy": 0.1}),  # the idle one counts
+        ],
+    )
+    route = loads.overflow().apply(LOCAL, 40, "")
+    assert route.decode_pool == "prefill" and "3.0 on prefill" in route.reason
 
 
 def test_a_burst_is_split_between_the_pools() -> None:
@@ -194,6 +225,8 @@ def test_serves_decode_is_for_prefill_pools_with_adaptive_on() -> None:
         config(adaptive_prefill={"enabled": False})
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
         config(adaptive_prefill={"decode_overflow_gap": 0})
+    with pytest.raises(ValidationError, match="less than or equal to 1"):
+        config(adaptive_prefill={"decode_overflow_max_prompt_busy": 1.5})
 
 
 def test_a_serving_prefill_pool_has_a_kv_share(tmp_path: Path) -> None:
@@ -235,8 +268,12 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         assert len(expected) == 12
         assert asyncio.run(tokens(serving)) == expected
         assert serving.replica.counters["whole_requests"] == 1
-        stats = asyncio.run(serving.record_routing_stats())
-        assert stats["admission"]["num_active"] == 0 and stats["num_sequences"] == 0
+        # The engine loop publishes its occupancy after the step that ended the request.
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while (stats := asyncio.run(serving.record_routing_stats()))["num_sequences"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.01)
+        assert stats["admission"]["num_active"] == 0 and stats["prompt_busy"] == 0.0
         occupancy = serving.replica.loop.occupancy
         assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
         with pytest.raises(RuntimeError, match="does not serve whole requests"):
