@@ -119,17 +119,18 @@ def choose_prefill(
     return AdaptiveChoice(False, f"{figures} -> remote prefill{why}", remote, local)
 
 
-class _SentTokens:
-    """Prompt tokens this ingress replica sent to each pool, with when (monotonic)."""
+class SentSince:
+    """What this ingress replica sent to each pool (prompt tokens here, sequences in
+    `app/admission/overflow.py`), with when (monotonic), until the pool's next snapshot."""
 
     def __init__(self) -> None:
         self._sent: dict[str, deque[tuple[float, int]]] = {}
 
-    def add(self, pool: str, num_tokens: int, now: float) -> None:
-        self._sent.setdefault(pool, deque(maxlen=MAX_SENT_ENTRIES)).append((now, num_tokens))
+    def add(self, pool: str, amount: int, now: float) -> None:
+        self._sent.setdefault(pool, deque(maxlen=MAX_SENT_ENTRIES)).append((now, amount))
 
     def since(self, pool: str, since: float) -> int:
-        """Tokens sent to `pool` after `since`, forgetting older entries."""
+        """The amount sent to `pool` after `since`, forgetting older entries."""
         entries = self._sent.get(pool)
         if not entries:
             return 0
@@ -153,7 +154,7 @@ class AdaptivePrefill:
         self._snapshot = snapshot
         self._clock = clock
         self._local: dict[tuple[str, str], bool] = {}  # (prefill, decode) -> last choice
-        self._sent = _SentTokens()
+        self._sent = SentSince()
 
     def apply(self, route: RouteDecision, num_prompt_tokens: int, priority: int) -> RouteDecision:
         """`route`, prefilled locally instead when that is cheaper now, its reason extended

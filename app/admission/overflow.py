@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from app.admission.adaptive import SentSince
 from app.config import PDServeConfig, PoolConfig
 from app.router import RouteDecision
 from decode.placement import PoolSnapshot
-
-MAX_SENT_ENTRIES = 4096  # per pool; far above the requests of one stats period
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,25 +69,6 @@ def choose_overflow(
     return OverflowChoice(None, f"{figures}: gap below {gap}, route stands")
 
 
-class _SentSequences:
-    """Sequences this ingress replica sent to each pool, with when (monotonic)."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, deque[tuple[float, int]]] = {}
-
-    def add(self, pool: str, num_sequences: int, now: float) -> None:
-        self._sent.setdefault(pool, deque(maxlen=MAX_SENT_ENTRIES)).append((now, num_sequences))
-
-    def since(self, pool: str, since: float) -> int:
-        """Sequences sent to `pool` after `since`, forgetting older entries."""
-        entries = self._sent.get(pool)
-        if not entries:
-            return 0
-        while entries and entries[0][0] <= since:
-            entries.popleft()
-        return sum(n for _, n in entries)
-
-
 class DecodeOverflow:
     """The ingress's decode overflow (module docstring): may move a placed request whole
     onto a prefill pool with `serves_decode`."""
@@ -108,7 +87,7 @@ class DecodeOverflow:
         self._max_age_s = config.adaptive_prefill.max_age_s
         self._max_prompt_busy = config.adaptive_prefill.decode_overflow_max_prompt_busy
         self._serving: list[PoolConfig] = [p for p in config.pools if p.serves_decode]
-        self._sent = _SentSequences()
+        self._sent = SentSince()
 
     @property
     def enabled(self) -> bool:
