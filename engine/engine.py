@@ -114,6 +114,9 @@ class Engine:
         self._ids = itertools.count()
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
+        # (start, seconds, prompt tokens) of recent steps that computed prompt tokens: the
+        # replica's prefill rate, which decode-only steps (whole requests) do not dilute
+        self.prompt_steps: deque[tuple[float, float, int]] = deque(maxlen=256)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -253,6 +256,13 @@ class Engine:
         """
         start = time.perf_counter()
         output = self.scheduler.schedule()
+        num_prompt_tokens = sum(
+            max(
+                min(s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens),
+                0,
+            )
+            for s in output.scheduled
+        )
         try:
             hook = layer_hook_for(output) if layer_hook_for and not output.is_empty else None
             sampled = self.runner.execute(output, hook)
@@ -260,7 +270,10 @@ class Engine:
             self._check_device()
             return self._step_failed(output, exc)
         finally:
-            self.step_times.append((start, time.perf_counter() - start))
+            seconds = time.perf_counter() - start
+            self.step_times.append((start, seconds))
+            if num_prompt_tokens:
+                self.prompt_steps.append((start, seconds, num_prompt_tokens))
         deltas = []
         for item in output.scheduled:
             request = item.request

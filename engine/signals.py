@@ -69,27 +69,31 @@ class RecentSamples:
         return percentile(values, 0.9) if len(values) >= MIN_SAMPLES else 0.0
 
 
-def busy_seconds(step_times: Iterable[tuple[float, float]], since: float) -> float:
-    """Seconds the engine spent in steps that started at or after `since`
-    (`step_times`: `Engine.step_times`, (perf_counter start, duration) pairs)."""
-    return sum(duration for start, duration in step_times if start >= since)
+def prompt_tokens_per_s(prompt_steps: Iterable[tuple[float, float, int]], since: float) -> float:
+    """Prompt tokens computed per second of the steps that computed them, over the steps
+    started at or after `since` (`Engine.prompt_steps`: (perf_counter start, seconds,
+    prompt tokens)); 0.0 when there are none. Steps that only decode do not count, so a
+    replica that also serves whole requests reports the speed of its prompts, not less."""
+    tokens = seconds = 0.0
+    for start, duration, num_tokens in prompt_steps:
+        if start >= since:
+            tokens += num_tokens
+            seconds += duration
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 def prefill_signals(
     occupancy: Mapping[str, int],
-    prompt_tokens: RecentSamples,
+    tokens_per_s: float,
     ttft_ms: RecentSamples,
-    busy_s: float,
     now: float | None = None,
 ) -> dict[str, float]:
-    """A prefill replica's signals: prompt tokens not yet computed, prompt tokens prefilled
-    per second of engine busy time (`busy_s`: step seconds within `prompt_tokens`' window;
-    0.0 until measured), and recent TTFT p90 (`prefill` call to KV delivered, ms; 0.0 below
-    `MIN_SAMPLES`)."""
-    tokens = sum(prompt_tokens.values(now))
+    """A prefill replica's signals: prompt tokens not yet computed, its prefill rate
+    (`prompt_tokens_per_s`; 0.0 until measured), and recent TTFT p90 (`prefill` call to KV
+    delivered, ms; 0.0 below `MIN_SAMPLES`)."""
     return {
         "queued_prompt_tokens": float(occupancy["queued_tokens"]),
-        "prefill_tokens_per_s": tokens / busy_s if tokens and busy_s > 0 else 0.0,
+        "prefill_tokens_per_s": tokens_per_s,
         "ttft_p90_ms": ttft_ms.p90(now),
     }
 

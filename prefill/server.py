@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, ObserverFactory
 from engine.scheduler import SchedulerOutput
-from engine.signals import RecentSamples, busy_seconds, prefill_signals
+from engine.signals import RecentSamples, prefill_signals, prompt_tokens_per_s
 from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
 from prefill.protocol import PrefillRequest, PrefillResult
@@ -76,8 +76,8 @@ class PrefillServer:
         self._tickets: dict[str, Ticket] = {}
         self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for
-        self._prompt_tokens = RecentSamples()  # autoscaling signals (event loop only)
-        self._ttft_ms = RecentSamples()
+        self._ttft_ms = RecentSamples()  # autoscaling signals (event loop only)
+        self._tokens_per_s = 0.0  # the latest prefill rate measured: speed outlasts traffic
         # Seconds spent computing each prompt handed off (decode overflow reads their share
         # of the window: whole requests here stall while prompts are computed).
         self._prompt_compute_s = RecentSamples()
@@ -150,7 +150,6 @@ class PrefillServer:
         self.replica.counters["kv_transfer_us"] += round(phases.transfer_ms * 1000)
         self.replica.observe("queue_seconds", phases.queue_ms / 1000)
         self.replica.observe("prefill_seconds", (phases.compute_ms + phases.transfer_ms) / 1000)
-        self._prompt_tokens.add(len(spec.prompt_token_ids) - first.num_cached_tokens)
         self._ttft_ms.add((time.perf_counter() - start) * 1000)
         self._prompt_compute_s.add(phases.compute_ms / 1000)
         return PrefillResult(
@@ -252,11 +251,10 @@ class PrefillServer:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
         names the signals). Never blocks the event loop."""
-        window_start = time.perf_counter() - self._prompt_tokens.window_s
-        busy_s = busy_seconds(self.engine.step_times.copy(), window_start)
-        return prefill_signals(
-            self.replica.loop.occupancy, self._prompt_tokens, self._ttft_ms, busy_s
-        )
+        window_start = time.perf_counter() - self._ttft_ms.window_s
+        rate = prompt_tokens_per_s(self.engine.prompt_steps.copy(), window_start)
+        self._tokens_per_s = rate or self._tokens_per_s
+        return prefill_signals(self.replica.loop.occupancy, self._tokens_per_s, self._ttft_ms)
 
     def check_health(self) -> None:
         """Serve's health check: fails when the engine loop is dead or stuck, or the KV

@@ -246,8 +246,9 @@ def test_a_serving_prefill_pool_has_a_kv_share(tmp_path: Path) -> None:
 
 def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: Path) -> None:
     """Greedy output of a prefill replica's `generate` equals a decode replica's, it
-    reports its stream slots for load shedding, and its KV pool is empty afterwards; a
-    prefill replica without `serves_decode` refuses."""
+    reports its stream slots for load shedding and a prefill rate its decode steps do not
+    dilute, and its KV pool is empty afterwards; a prefill replica without
+    `serves_decode` refuses."""
     model_dir = write_builtin_model(tmp_path / "tiny", "tiny")
     engine_config = EngineConfig(model_dir=str(model_dir))
     serving = PrefillServer(engine_config, backend="shm", serves_decode=True)
@@ -274,6 +275,12 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
             assert time.monotonic() < deadline, stats
             time.sleep(0.01)
         assert stats["admission"]["num_active"] == 0 and stats["prompt_busy"] == 0.0
+        # The prompt took one step, the 11 other tokens one each: the rate is the prompt's.
+        prompt_steps = list(serving.engine.prompt_steps)
+        assert [n for _, _, n in prompt_steps] == [len(prompt)]
+        assert len(serving.engine.step_times) == 12
+        rate = len(prompt) / prompt_steps[0][1]
+        assert stats["prefill_tokens_per_s"] == pytest.approx(rate)
         occupancy = serving.replica.loop.occupancy
         assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
         with pytest.raises(RuntimeError, match="does not serve whole requests"):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from engine.signals import (
     RecentSamples,
-    busy_seconds,
     decode_signals,
     percentile,
     prefill_signals,
+    prompt_tokens_per_s,
 )
 
 
@@ -33,14 +33,13 @@ def test_recent_samples_forget_what_left_the_window() -> None:
     assert samples.p90(now=101.0) == 500.0
 
 
-def test_busy_seconds_and_signal_dicts() -> None:
-    steps = [(0.0, 1.0), (5.0, 0.5), (9.0, 0.25)]
-    assert busy_seconds(steps, since=4.0) == 0.75
-    tokens, ttft = RecentSamples(30.0), RecentSamples(30.0)
-    tokens.add(300, now=1.0)
-    tokens.add(600, now=2.0)
+def test_prompt_rate_and_signal_dicts() -> None:
+    steps = [(0.0, 1.0, 100), (5.0, 0.5, 300), (9.0, 0.25, 600)]
+    assert prompt_tokens_per_s(steps, since=4.0) == 1200.0  # 900 tokens in 0.75 s
+    assert prompt_tokens_per_s(steps, since=10.0) == 0.0
+    ttft = RecentSamples(30.0)
     ttft.add(120.0, now=2.0)
-    assert prefill_signals({"queued_tokens": 0}, tokens, ttft, 0.5, now=3.0)["ttft_p90_ms"] == 0
+    assert prefill_signals({"queued_tokens": 0}, 900.0, ttft, now=3.0)["ttft_p90_ms"] == 0
     ttft.add(80.0, now=2.5)  # one sample is no evidence; two are
     occupancy = {
         "queued_tokens": 42,
@@ -50,14 +49,11 @@ def test_busy_seconds_and_signal_dicts() -> None:
         "num_waiting": 1,
         "num_waiting_for_kv": 2,
     }
-    assert prefill_signals(occupancy, tokens, ttft, busy_s=0.5, now=3.0) == {
+    assert prefill_signals(occupancy, 1800.0, ttft, now=3.0) == {
         "queued_prompt_tokens": 42.0,
         "prefill_tokens_per_s": 1800.0,
         "ttft_p90_ms": 120.0,
     }
-    assert (
-        prefill_signals(occupancy, tokens, ttft, busy_s=0.0, now=3.0)["prefill_tokens_per_s"] == 0
-    )
     itl = RecentSamples(30.0)
     itl.add(10.0, now=1.0)
     itl.add(7.0, now=1.5)
