@@ -116,7 +116,7 @@ class Engine:
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
         # (start, seconds, prompt tokens) of recent steps that computed prompt tokens: the
         # replica's prefill rate, which decode-only steps (whole requests) do not dilute
-        self.prompt_steps: deque[tuple[float, float, int]] = deque(maxlen=256)
+        self.prompt_steps: deque[tuple[float, float, int]] = deque(maxlen=1024)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

@@ -22,7 +22,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.request import Request, RequestSpec
-from engine.signals import RecentSamples
+from engine.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
 # the engine thread is stuck: the replica reports unhealthy and Serve replaces it.
@@ -160,6 +160,10 @@ class EngineReplica:
             "num_sequences": occupancy["num_running"]
             + occupancy["num_waiting"]
             + occupancy["num_waiting_for_kv"],
+            # Share of the recent window spent computing prompts: streams here stall then.
+            "prompt_busy": busy_share(
+                self.engine.prompt_steps.copy(), time.perf_counter(), SIGNAL_WINDOW_S
+            ),
         }
 
     def make_request(

@@ -82,6 +82,17 @@ def prompt_tokens_per_s(prompt_steps: Iterable[tuple[float, float, int]], since:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def busy_share(
+    prompt_steps: Iterable[tuple[float, float, int]], now: float, window_s: float
+) -> float:
+    """Share of the `window_s` seconds before `now` spent in steps that computed prompts
+    (`Engine.prompt_steps`), 0..1: a stream decoding on the replica waits that share of the
+    time, so its TPOT is its decode step's over (1 - share)."""
+    since = now - window_s
+    busy = sum(duration for start, duration, _ in prompt_steps if start >= since)
+    return min(busy / window_s, 1.0)
+
+
 def prefill_signals(
     occupancy: Mapping[str, int],
     tokens_per_s: float,

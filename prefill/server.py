@@ -78,9 +78,6 @@ class PrefillServer:
         self.replica.loop.layer_hook_for = self._layer_hook_for
         self._ttft_ms = RecentSamples()  # autoscaling signals (event loop only)
         self._tokens_per_s = 0.0  # the latest prefill rate measured: speed outlasts traffic
-        # Seconds spent computing each prompt handed off (decode overflow reads their share
-        # of the window: whole requests here stall while prompts are computed).
-        self._prompt_compute_s = RecentSamples()
         # Prompt tokens accepted and not yet handed off, by priority (event loop only): the
         # ingress counts only the work at or above a request's priority as ahead of it.
         self._pending_tokens: Counter[int] = Counter()
@@ -151,7 +148,6 @@ class PrefillServer:
         self.replica.observe("queue_seconds", phases.queue_ms / 1000)
         self.replica.observe("prefill_seconds", (phases.compute_ms + phases.transfer_ms) / 1000)
         self._ttft_ms.add((time.perf_counter() - start) * 1000)
-        self._prompt_compute_s.add(phases.compute_ms / 1000)
         return PrefillResult(
             request_id=rid,
             first_token_id=first.new_token_ids[0],
@@ -243,9 +239,6 @@ class PrefillServer:
         }
         if self.streams is not None:  # load shedding weighs the wait for a stream slot
             routing["admission"] = self.streams.admission.snapshot()
-            # Share of the recent window spent computing prompts for decode replicas.
-            window = self._prompt_compute_s
-            routing["prompt_busy"] = min(1.0, sum(window.values()) / window.window_s)
         return routing
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -237,18 +237,20 @@ class AdaptivePrefillSettings(_Strict):
         ge=1,
         description="Prefill pools with `serves_decode` take a whole request (its prompt "
         "prefilled and decoded there, no KV transfer) while the decode pool's least loaded "
-        "replica holds at least this many more sequences than theirs. 1 balances at any "
-        "imbalance (CPU replicas, where a decode step's cost grows with its batch); a larger "
-        "gap keeps prompts isolated until decode is that far ahead (GPUs, where a bigger "
-        "batch costs little until memory or the batch limit binds).",
+        "replica's decode load, (sequences + 1) / (1 - prompt_busy), is at least this much "
+        "above theirs (`app/admission/overflow.py`). 1 balances at any imbalance (CPU "
+        "replicas, where a decode step's cost grows with its batch); a larger gap keeps "
+        "prompts isolated until decode is that far ahead (GPUs, where a bigger batch costs "
+        "little until memory or the batch limit binds).",
     )
     decode_overflow_max_prompt_busy: float = Field(
-        default=0.25,
+        default=0.5,
         ge=0,
         le=1,
         allow_inf_nan=False,
         description="A prefill replica takes whole requests only while it spent at most this "
-        "share of the last 30 s computing prompts for decode replicas (`prompt_busy`): a "
-        "whole request there stalls while each prompt is computed, so a pool busy with "
-        "prompts (the prefill-bound case, where disaggregation pays) keeps to them.",
+        "share of the last 30 s computing prompts (`prompt_busy`): a stream there stalls "
+        "while each prompt is computed (over half the time: its TPOT more than doubles), so "
+        "a pool busy with prompts (the prefill-bound case, where disaggregation pays) keeps "
+        "to them.",
     )

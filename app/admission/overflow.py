@@ -6,20 +6,23 @@ Disaggregation gives a prefill replica's cores to prompts only. When the load is
 grows and every token slows: on two cores, 1 prefill + 1 decode replica then has half the
 decode capacity of two colocated replicas (BENCHMARKS.md, the issue-14 run). A prefill pool
 marked `serves_decode` lends its replicas out: after the router and adaptive
-disaggregation have placed a request, the ingress compares the sequences (running, queued,
-awaiting KV: `num_sequences` in the routing stats) on the decode pool's least loaded replica
-with those on each such prefill pool's, and when the decode pool holds at least
-`adaptive_prefill.decode_overflow_gap` more, the whole request (prompt and decode, no KV
-transfer) goes to that prefill pool's `generate` instead (`prefill/server.py`). Otherwise
-the route stands: long prompts still prefill on the prefill pool, short ones on the decode
-replica, so prompts keep their isolation whenever the decode pool has room.
+disaggregation have placed a request, the ingress compares what a new stream would meet on
+the decode pool's least loaded replica and on each such prefill pool's, and when the decode
+pool's figure is at least `adaptive_prefill.decode_overflow_gap` higher, the whole request
+(prompt and decode, no KV transfer) goes to that prefill pool's `generate` instead
+(`prefill/server.py`). Otherwise the route stands: long prompts still prefill on the prefill
+pool, short ones on the decode replica, so prompts keep their isolation whenever the decode
+pool has room.
 
-Only prefill replicas that are mostly idle between prompts take whole requests: one whose
-share of the last 30 s spent computing prompts for decode replicas (`prompt_busy` in its
-routing stats) exceeds `adaptive_prefill.decode_overflow_max_prompt_busy` is left to its
-prompts, since a whole request there would stall while each one is computed. That is the
-prefill-bound case (long-context load), where disaggregation pays and overflow would undo
-it (BENCHMARKS.md: with the gap rule alone, overflowed requests missed TPOT there).
+The figure is a replica's decode load, `(num_sequences + 1) / (1 - prompt_busy)`: a new
+stream joins a batch of `num_sequences + 1` (running, queued, awaiting KV), and decodes only
+in the share of the time the replica is not computing prompts (`prompt_busy`, the last 30 s,
+from `Engine.prompt_steps`; both pools report it). So a prefill replica busy with prompts
+takes whole requests only when the decode pool is that much fuller, and the two pools' load
+evens out whichever of prompts or tokens binds. A replica busier with prompts than
+`adaptive_prefill.decode_overflow_max_prompt_busy` takes none: its streams' TPOT would more
+than double (the prefill-bound case, long-context load, where disaggregation pays and
+overflow would undo it; BENCHMARKS.md).
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
@@ -40,6 +43,14 @@ from app.config import PDServeConfig, PoolConfig
 from app.router import RouteDecision
 from decode.placement import PoolSnapshot
 
+MAX_PROMPT_BUSY = 0.95  # keeps the load finite for a replica that only computed prompts
+
+
+def decode_load(num_sequences: float, prompt_busy: float) -> float:
+    """What a new stream meets on a replica (module docstring): the batch it joins, over
+    the share of the time the replica decodes."""
+    return (num_sequences + 1) / (1 - min(max(prompt_busy, 0.0), MAX_PROMPT_BUSY))
+
 
 @dataclass(frozen=True, slots=True)
 class OverflowChoice:
@@ -52,9 +63,10 @@ class OverflowChoice:
 def choose_overflow(
     decode: float, candidates: Mapping[str, float | None], gap: int
 ) -> OverflowChoice:
-    """Where a request goes, from the sequences on the decode pool's least loaded replica
-    (`decode`) and on each candidate pool's (`candidates`, in preference order; None: no
-    replica of that pool is idle enough between prompts to take whole requests)."""
+    """Where a request goes, from the decode load (`decode_load`) of the decode pool's least
+    loaded replica (`decode`) and of each candidate pool's (`candidates`, in preference
+    order; None: no replica of that pool is idle enough between prompts to take whole
+    requests)."""
     if not candidates:
         return OverflowChoice(None, "no prefill pool that serves decode has a recent load")
     idle = {pool: load for pool, load in candidates.items() if load is not None}
@@ -63,7 +75,7 @@ def choose_overflow(
         return OverflowChoice(None, f"prefill pools {busy} busy with prompts: route stands")
     candidates = idle
     pool, load = min(candidates.items(), key=lambda item: item[1])
-    figures = f"{decode:.1f} sequences on decode vs {load:.1f} on {pool}"
+    figures = f"decode load {decode:.1f} on decode vs {load:.1f} on {pool}"
     if decode - load >= gap:
         return OverflowChoice(pool, f"decode overflow: {figures} -> served whole on {pool}")
     return OverflowChoice(None, f"{figures}: gap below {gap}, route stands")
@@ -102,8 +114,8 @@ class DecodeOverflow:
     def apply(
         self, route: RouteDecision, num_prompt_tokens: int, tenant: str, num_sequences: int = 1
     ) -> RouteDecision:
-        """`route`, moved whole onto a prefill pool when the decode pool is busier by the
-        gap, its reason extended with the figures; `num_sequences`: the request's `n`."""
+        """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
+        the gap, its reason extended with the figures; `num_sequences`: the request's `n`."""
         if not self._serving:
             return route
         now = self._clock()
@@ -141,13 +153,16 @@ class DecodeOverflow:
     def _least(
         self, pool: str, snapshot: PoolSnapshot, max_prompt_busy: float | None = None
     ) -> float | None:
-        """Sequences on the pool's least loaded replica, with what this ingress sent since
-        the snapshot spread over its replicas. With `max_prompt_busy`, only replicas at most
-        that busy with prompts count (None when none is)."""
+        """The decode load of the pool's least loaded replica, counting the sequences this
+        ingress sent since the snapshot (spread over its replicas). With `max_prompt_busy`,
+        only replicas at most that busy with prompts count (None when none is)."""
         stats = [s for s in snapshot.replicas.values() if s.get("num_sequences") is not None]
         if max_prompt_busy is not None:
             stats = [s for s in stats if float(s.get("prompt_busy", 0.0)) <= max_prompt_busy]
         if not stats:
             return None
         extra = self._sent.since(pool, snapshot.updated_at) / len(snapshot.replicas)
-        return min(float(s["num_sequences"]) for s in stats) + extra
+        return min(
+            decode_load(float(s["num_sequences"]) + extra, float(s.get("prompt_busy", 0.0)))
+            for s in stats
+        )

@@ -35,8 +35,8 @@ def test_busier_decode_pool_overflows_to_the_least_loaded_candidate() -> None:
     choice = choose_overflow(6.0, {"prefill": 1.0, "prefill-long": 0.0}, gap=2)
     assert choice.pool == "prefill-long"
     assert choice.reason == (
-        "decode overflow: 6.0 sequences on decode vs 0.0 on prefill-long -> served whole "
-        "on prefill-long"
+        "decode overflow: decode load 6.0 on decode vs 0.0 on prefill-long -> served "
+        "whole on prefill-long"
     )
 
 
@@ -107,7 +107,7 @@ def test_apply_moves_the_whole_request_and_says_why() -> None:
         assert moved.decode_pool == "prefill"
         assert moved.local_prefill and moved.prefill_pool is None
         assert moved.reason == (
-            f"{route.reason}; decode overflow: 5.0 sequences on decode vs 1.0 on prefill "
+            f"{route.reason}; decode overflow: decode load 6.0 on decode vs 2.0 on prefill "
             "-> served whole on prefill"
         )
 
@@ -118,7 +118,7 @@ def test_apply_keeps_the_route_while_decode_has_room() -> None:
     loads.publish("prefill", 1)
     route = loads.overflow().apply(REMOTE, 900, "")
     assert route.prefill_pool == "prefill" and route.decode_pool == "decode"
-    assert route.reason.endswith("1.0 on prefill: gap below 2, route stands")
+    assert route.reason.endswith("2.0 on prefill: gap below 2, route stands")
 
 
 def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
@@ -136,7 +136,7 @@ def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
 
 
 def test_a_prefill_replica_busy_with_prompts_keeps_to_them() -> None:
-    """Over `decode_overflow_max_prompt_busy` (0.25) of its recent time computing prompts, a
+    """Over `decode_overflow_max_prompt_busy` (0.5) of its recent time computing prompts, a
     prefill replica takes no whole request (they would stall behind each prompt)."""
     loads = Loads()
     loads.publish("decode", 6)
@@ -154,7 +154,26 @@ def test_a_prefill_replica_busy_with_prompts_keeps_to_them() -> None:
         ],
     )
     route = loads.overflow().apply(LOCAL, 40, "")
-    assert route.decode_pool == "prefill" and "3.0 on prefill" in route.reason
+    assert route.decode_pool == "prefill" and "4.4 on prefill" in route.reason  # 4 / 0.9
+
+
+def test_time_spent_on_prompts_weighs_on_either_side() -> None:
+    """A stream decodes only while its replica computes no prompt: the decode load is
+    (sequences + 1) / (1 - prompt_busy) on both pools."""
+    loads = Loads()
+    overflow = loads.overflow(config(adaptive_prefill={"decode_overflow_max_prompt_busy": 1}))
+    loads.publish("decode", 3)  # load 4
+    loads.publish("prefill", 0, prompt_busy=0.8)  # load 5: its streams would wait on prompts
+    assert overflow.apply(LOCAL, 40, "").reason.endswith(
+        "5.0 on prefill: gap below 2, route stands"
+    )
+    loads.publish("prefill", 0, prompt_busy=0.4)  # load 1.7
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    loads.publish("decode", 1, prompt_busy=0.5)  # load 4: busy prefilling locally
+    loads.publish("prefill", 0)
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    loads.publish("decode", 1)  # load 2: within the gap of the prefill pool's 1
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
 
 
 def test_a_burst_is_split_between_the_pools() -> None:
@@ -274,13 +293,14 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         while (stats := asyncio.run(serving.record_routing_stats()))["num_sequences"]:
             assert time.monotonic() < deadline, stats
             time.sleep(0.01)
-        assert stats["admission"]["num_active"] == 0 and stats["prompt_busy"] == 0.0
+        assert stats["admission"]["num_active"] == 0
         # The prompt took one step, the 11 other tokens one each: the rate is the prompt's.
         prompt_steps = list(serving.engine.prompt_steps)
         assert [n for _, _, n in prompt_steps] == [len(prompt)]
         assert len(serving.engine.step_times) == 12
         rate = len(prompt) / prompt_steps[0][1]
         assert stats["prefill_tokens_per_s"] == pytest.approx(rate)
+        assert stats["prompt_busy"] == pytest.approx(prompt_steps[0][1] / 30.0)
         occupancy = serving.replica.loop.occupancy
         assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
         with pytest.raises(RuntimeError, match="does not serve whole requests"):

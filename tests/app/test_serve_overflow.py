@@ -7,17 +7,26 @@ between the two pools, each overflowed request served whole (prefill and decode)
 prefill replica, which the `x-pdserve-route` header and the routing report say. Greedy
 output equals `transformers` wherever a request ran, and every pool's KV blocks are free
 afterwards (the conftest's check after each test).
+
+Last, a drill: the prefill replica is SIGKILLed while it streams overflowed whole requests.
+Those streams end with an error event that says the replica was lost (no hang), the requests
+on the decode replica finish with the tokens they get alone, Serve restarts the replica,
+and nothing stays queued or holds KV blocks.
 """
 
 from __future__ import annotations
 
+import json
+import signal
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
+from bench.faults import replica_pids, signal_pid, wait_for_new_replica
 from tests.app.conftest import wait_until
 
 if TYPE_CHECKING:
@@ -30,6 +39,8 @@ THRESHOLD = 32
 MAX_TOKENS = 24
 BURST = 8
 LOADS_TIMEOUT_S = 60.0  # until the ingress has seen both pools' loads
+LONG_TOKENS = 600  # the drill's streams: still running when the replica is killed
+RESTART_TIMEOUT_S = 180.0  # Serve notices the dead replica and starts another within this
 
 
 def pdserve_args(model_dir: Path) -> dict[str, Any]:
@@ -41,7 +52,7 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
         ],
         "transfer": {"backend": "shm"},
         "local_prefill_threshold": THRESHOLD,
-        "limits": {"max_prompt_tokens": 1024, "max_output_tokens": 64},
+        "limits": {"max_prompt_tokens": 1024, "max_output_tokens": LONG_TOKENS},
         # Loads stay usable for the whole of a slow test run.
         "adaptive_prefill": {"enabled": True, "max_age_s": 30.0, "decode_overflow_gap": 2},
     }
@@ -75,7 +86,7 @@ def test_a_burst_overflows_onto_the_prefill_replica(server: Server, hf: HFGreedy
 
     def loads_seen() -> bool:
         seen.append(complete(server, f"warm {len(seen):04d}")[1])
-        return "sequences on decode vs" in seen[-1]
+        return "on decode vs" in seen[-1]
 
     wait_until(loads_seen, LOADS_TIMEOUT_S, "the ingress to see both pools' loads")
     prefill_before, decode_before = counters(server, "prefill"), counters(server, "decode")
@@ -96,3 +107,71 @@ def test_a_burst_overflows_onto_the_prefill_replica(server: Server, hf: HFGreedy
     moved = [d for d in recent if d["decode_pool"] == "prefill"]
     assert len(moved) == len(overflowed)
     assert all(d["local_prefill"] and d["prefill_pool"] is None for d in moved)
+
+
+# ---- drill: the prefill replica dies while it serves whole requests --------------------
+
+
+def stream(server: Server, prompt: str, out: dict[str, Any]) -> None:
+    """A greedy streamed completion of `LONG_TOKENS` tokens (EOS ignored); fills `out` with
+    its `route`, `text` and `events` as they come, so a killed stream's part is kept."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": LONG_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    timeout = httpx.Timeout(120.0, read=30.0)  # a silent stream is a hung one
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, timeout=timeout
+    ) as response:
+        assert response.status_code == 200, response.read().decode()
+        out["route"] = response.headers["x-pdserve-route"]
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line.removeprefix("data: "))
+                out["events"].append(event)
+                out["text"] += "".join(c.get("text") or "" for c in event.get("choices") or [])
+
+
+def test_prefill_killed_while_serving_whole_requests(server: Server) -> None:
+    def loads_seen() -> bool:
+        return "on decode vs" in complete(server, "warm before the drill")[1]
+
+    wait_until(loads_seen, LOADS_TIMEOUT_S, "the ingress to see both pools' loads")
+    [pid] = replica_pids("pdserve", "prefill")
+    prompts = [f"drill stream {i:04d}" for i in range(BURST)]
+    outs: list[dict[str, Any]] = [{"route": "", "text": "", "events": []} for _ in prompts]
+    with ThreadPoolExecutor(BURST) as pool:
+        futures = [pool.submit(stream, server, p, o) for p, o in zip(prompts, outs, strict=True)]
+
+        def whole_running() -> bool:
+            return server.stats()["pools"]["prefill"]["num_running"] > 0
+
+        wait_until(whole_running, LOADS_TIMEOUT_S, "an overflowed stream on the prefill replica")
+        assert signal_pid(pid, signal.SIGKILL)
+        for future in futures:
+            future.result(timeout=120)  # every stream ends: none hangs
+
+    killed = [o for o in outs if "served whole on prefill" in o["route"]]
+    survived = [(p, o) for p, o in zip(prompts, outs, strict=True) if o not in killed]
+    assert killed and survived, [o["route"] for o in outs]
+    for out in killed:
+        last = out["events"][-1]
+        assert "error" in last, out["events"][-3:]
+        assert last["error"]["code"] == "replica_lost", last
+    new_pid = wait_for_new_replica("pdserve", "prefill", {pid}, RESTART_TIMEOUT_S)
+    assert new_pid is not None, "Serve did not restart the prefill replica"
+    # A request beside the kill got the tokens it gets alone (greedy, EOS ignored).
+    for prompt, out in survived:
+        assert "error" not in out["events"][-1], out["events"][-1]
+        again = server.openai().completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=LONG_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert out["text"] == again.choices[0].text, prompt

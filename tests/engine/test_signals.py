@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.signals import (
     RecentSamples,
+    busy_share,
     decode_signals,
     percentile,
     prefill_signals,
@@ -37,6 +38,8 @@ def test_prompt_rate_and_signal_dicts() -> None:
     steps = [(0.0, 1.0, 100), (5.0, 0.5, 300), (9.0, 0.25, 600)]
     assert prompt_tokens_per_s(steps, since=4.0) == 1200.0  # 900 tokens in 0.75 s
     assert prompt_tokens_per_s(steps, since=10.0) == 0.0
+    assert busy_share(steps, now=10.0, window_s=5.0) == 0.15  # 0.75 s of the last 5 s
+    assert busy_share([(0.0, 30.0, 9)], now=30.0, window_s=30.0) == 1.0
     ttft = RecentSamples(30.0)
     ttft.add(120.0, now=2.0)
     assert prefill_signals({"queued_tokens": 0}, 900.0, ttft, now=3.0)["ttft_p90_ms"] == 0
