@@ -267,19 +267,25 @@ def test_bad_settings_are_refused_clearly(field: str, value: Any, message: str) 
 
 def test_benchmark_configs() -> None:
     """cpu-disagg measures static disaggregation; cpu-adaptive is the same app with the
-    adaptive rule on and its prefill replica serving whole requests (decode overflow)."""
+    adaptive rule on, its prefill replica serving whole requests (decode overflow), and chat
+    turns (under 128 tokens) prefilled where they decode."""
     disagg = load_config(CONFIGS / "cpu-disagg.yaml")
     adaptive = load_config(CONFIGS / "cpu-adaptive.yaml")
     assert not disagg.adaptive_prefill.enabled
     assert adaptive.adaptive_prefill.enabled
     assert [p.serves_decode for p in adaptive.pools] == [True, False]
     assert [p.serves_decode for p in disagg.pools] == [False, False]
+    assert (adaptive.local_prefill_threshold, disagg.local_prefill_threshold) == (128, 32)
 
     def rest(config: PDServeConfig) -> dict[str, Any]:
         dumped = config.model_dump()
         for pool in dumped["pools"]:
             del pool["serves_decode"], pool["max_ongoing_requests"]
-        return {k: v for k, v in dumped.items() if k != "adaptive_prefill"}
+        return {
+            k: v
+            for k, v in dumped.items()
+            if k not in ("adaptive_prefill", "local_prefill_threshold")
+        }
 
     assert rest(adaptive) == rest(disagg)
     with open(CONFIGS / "cpu-adaptive.yaml", encoding="utf-8") as f:
