@@ -137,7 +137,6 @@ class DecodeServer:
                 transfer_options.fence_timeout_s + FENCE_MARGIN_S,
             )
         self._local_prefill = PrefillRate()  # for adaptive disaggregation (event loop only)
-        self._num_routing_reports = 0
         self.replica.observers.extend(make(self.stats) for make in observers)
 
     # ---- the request -----------------------------------------------------------------
@@ -199,15 +198,12 @@ class DecodeServer:
         prefill's cost from it (`prefill_tokens_per_s`: the prompts this replica prefilled
         itself, queueing included) and sends degradable requests to the fallback pool
         while `prefill_breakers` (prefill pool -> `open`/`half_open`; closed ones left out)
-        says a prefill pool is cut off here. `num_reports` makes every report differ, so
-        Serve passes each on and a live idle replica's load never looks stale. Never blocks."""
-        self._num_routing_reports += 1
+        says a prefill pool is cut off here. Never blocks."""
         return {
             **await self.replica.routing_stats(),
             "prefill_tokens_per_s": self._local_prefill.tokens_per_s(),
             "prefill_breakers": self.planner.blocked_pools(),
             "admission": self.streams.admission.snapshot(),
-            "num_reports": self._num_routing_reports,
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -126,6 +126,7 @@ class EngineReplica:
         self.counters: Counter[str] = Counter()
         self.observers: list[ReplicaObserver] = []
         self.started_at = time.time()
+        self._num_routing_reports = 0
 
     @property
     def model_id(self) -> str:
@@ -147,10 +148,14 @@ class EngineReplica:
 
     async def routing_stats(self) -> dict[str, Any]:
         """What the replica-choosing router reads (`record_routing_stats` in Serve); never
-        waits on the engine thread."""
+        waits on the engine thread. `num_reports` makes every report differ, so Serve
+        passes each on and a live idle replica's load never looks stale to the ingress
+        (adaptive disaggregation and decode overflow ignore loads older than `max_age_s`)."""
         occupancy = self.loop.occupancy
+        self._num_routing_reports += 1
         return {
             "replica": self.name,  # the name circuit breakers and exclusions use
+            "num_reports": self._num_routing_reports,
             "queued_tokens": occupancy["queued_tokens"],
             "num_free_blocks": occupancy["num_free_blocks"],
             "num_blocks": occupancy["num_blocks"],

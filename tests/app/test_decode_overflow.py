@@ -305,7 +305,10 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
         with pytest.raises(RuntimeError, match="does not serve whole requests"):
             asyncio.run(tokens(plain))
-        assert "admission" not in asyncio.run(plain.record_routing_stats())
+        first, second = (asyncio.run(plain.record_routing_stats()) for _ in range(2))
+        assert "admission" not in first
+        # An idle replica's reports still differ, so Serve passes them on: never stale.
+        assert second["num_reports"] == first["num_reports"] + 1
     finally:
         for server in (serving, plain, decode):
             server.shutdown()
