@@ -194,19 +194,28 @@ def prefill_interference(
 ) -> dict[str, Any]:
     """Where decode time goes: decoding requests whose streaming window overlapped some
     `long_label` request's prefill window (its send -> first token) against those that did
-    not. A large TPOT/ITL gap between the two groups is prefill interference."""
+    not. A large TPOT/ITL gap between the two groups is prefill interference. `alone`: the
+    requests (any label) that overlapped no other request from send to end, an in-run
+    control of the host's speed: the same request alone should decode as fast in any
+    config and at any rate, so a shift there is the machine, not the design."""
     prefills = [
         (r.start_s, r.first_token_s)
         for r in records
         if r.label == long_label and r.first_token_s is not None
     ]
-    groups: dict[str, list[RequestRecord]] = {"overlapped": [], "clear": []}
+    groups: dict[str, list[RequestRecord]] = {"overlapped": [], "clear": [], "alone": []}
     for r in records:
         if not r.success or r.label == long_label or len(r.chunk_times_s) < 2:
             continue
         window = (r.chunk_times_s[0], r.chunk_times_s[-1])
         hit = any(_overlaps(window, p) for p in prefills)
         groups["overlapped" if hit else "clear"].append(r)
+    spans = [(r.start_s, r.end_s if r.end_s is not None else math.inf) for r in records]
+    for i, r in enumerate(records):
+        if not r.success or len(r.chunk_times_s) < 2:
+            continue
+        if not any(_overlaps(spans[i], other) for j, other in enumerate(spans) if j != i):
+            groups["alone"].append(r)
     return {
         name: {
             "num_requests": len(group),

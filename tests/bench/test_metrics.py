@@ -144,6 +144,8 @@ def test_prefill_interference_splits_overlapping_decodes() -> None:
     assert out["clear"]["num_requests"] == 1
     assert out["overlapped"]["tpot_ms"]["mean"] == pytest.approx(500.0)
     assert out["clear"]["tpot_ms"]["mean"] == pytest.approx(50.0)
+    assert out["alone"]["num_requests"] == 1  # `clear`: no other request in 0..0.45
+    assert out["alone"]["tpot_ms"]["mean"] == pytest.approx(50.0)
 
 
 def test_finite_or_none() -> None:
