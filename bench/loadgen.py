@@ -32,7 +32,14 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from bench.metrics import SLO, RequestRecord, finite_or_none, prefill_interference, summarize
+from bench.metrics import (
+    SLO,
+    RequestRecord,
+    finite_or_none,
+    prefill_interference,
+    route_breakdown,
+    summarize,
+)
 from bench.server_report import add_server_args, fetch_stats, print_server_side, server_side
 from bench.workloads import (
     ScheduledRequest,
@@ -208,12 +215,13 @@ def run_load_sync(
 
 
 def run_report(result: RunResult, slo: SLO, target: Target | None = None) -> dict[str, Any]:
-    """Summary, interference breakdown and records of one run, JSON-ready; with `target`,
+    """Summary, interference and route breakdowns and records of one run, JSON-ready; with `target`,
     also what the server measured over the run (`bench/server_report.py`)."""
     summary = summarize(result.records, result.duration_s, slo)
     report: dict[str, Any] = {
         "summary": summary,
         "interference": prefill_interference(result.records),
+        "routes": route_breakdown(result.records, slo),
         "records": [r.to_dict() for r in result.records],
     }
     if target is not None:

@@ -226,6 +226,35 @@ def prefill_interference(
     }
 
 
+def route_kind(route: str | None) -> str:
+    """Where pdserve placed a request, from its `x-pdserve-route` header: `whole` (decode
+    overflow: prompt and decode on a prefill replica), `local` (prefilled on the replica
+    that decodes it), `remote` (prefilled on a prefill pool, its KV moved), or `unknown`
+    (no header: another server)."""
+    if not route:
+        return "unknown"
+    if "-> served whole on" in route:
+        return "whole"
+    return "local" if "-> local prefill" in route else "remote"
+
+
+def route_breakdown(records: Sequence[RequestRecord], slo: SLO) -> dict[str, Any]:
+    """Per `route_kind`: requests, those that missed the SLO, and their TPOT. Tells which
+    placement the misses came from (a config's routing is only as good as its worst
+    path)."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(route_kind(r.route), []).append(r)
+    return {
+        kind: {
+            "num_requests": len(group),
+            "num_missed": sum(not meets_slo(r, slo) for r in group),
+            "tpot_ms": distribution(t for r in group if (t := r.tpot_s) is not None),
+        }
+        for kind, group in sorted(groups.items())
+    }
+
+
 def finite_or_none(obj: Any) -> Any:
     """`obj` with every NaN or infinite float replaced by None (strict JSON has neither)."""
     if isinstance(obj, float):

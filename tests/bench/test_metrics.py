@@ -16,6 +16,8 @@ from bench.metrics import (
     meets_slo,
     percentile,
     prefill_interference,
+    route_breakdown,
+    route_kind,
     summarize,
 )
 
@@ -146,6 +148,30 @@ def test_prefill_interference_splits_overlapping_decodes() -> None:
     assert out["clear"]["tpot_ms"]["mean"] == pytest.approx(50.0)
     assert out["alone"]["num_requests"] == 1  # `clear`: no other request in 0..0.45
     assert out["alone"]["tpot_ms"]["mean"] == pytest.approx(50.0)
+
+
+def test_route_kinds_from_the_route_header() -> None:
+    static_local = "len 40 < local_prefill_threshold 64 -> local prefill on decode pool decode"
+    remote = "len 900 in [64, inf] -> pool prefill, decode pool decode"
+    adaptive = f"{remote}; adaptive (prefill vs decode): predicted wait 3.1 s remote, "
+    overflow = "; decode overflow: decode load 3.0 on decode vs 1.0 on prefill -> served whole"
+    assert route_kind(None) == "unknown"
+    assert route_kind(static_local) == "local"
+    assert route_kind(remote) == "remote"
+    assert route_kind(adaptive + "local cost 0.2 s -> local prefill") == "local"
+    assert route_kind(adaptive + "local cost 4.0 s -> remote prefill") == "remote"
+    assert route_kind(static_local + overflow + " on prefill") == "whole"
+    assert route_kind(remote + "; 1.0 on decode vs 1.0 on prefill: gap below 1") == "remote"
+
+
+def test_route_breakdown_says_where_the_misses_came_from() -> None:
+    fast, slow = record(0.1, 0.01), record(0.1, 0.2, index=1)
+    fast.route = "len 40 < local_prefill_threshold 64 -> local prefill on decode pool decode"
+    slow.route = "len 900 in [64, inf] -> pool prefill, decode pool decode"
+    out = route_breakdown([fast, slow, record(0.1, 0.01, index=2)], SLO(tpot_ms=100))
+    assert list(out) == ["local", "remote", "unknown"]
+    assert [out[k]["num_missed"] for k in out] == [0, 1, 0]
+    assert out["remote"]["tpot_ms"]["mean"] == pytest.approx(200.0)
 
 
 def test_finite_or_none() -> None:
