@@ -31,7 +31,12 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.replica import EngineReplica, ObserverFactory
 from engine.scheduler import SchedulerOutput
-from engine.signals import RecentSamples, prefill_signals, prompt_tokens_per_s
+from engine.signals import (
+    SIGNAL_WINDOW_S,
+    RecentSamples,
+    prefill_signals,
+    prompt_tokens_per_s,
+)
 from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
 from prefill.protocol import PrefillRequest, PrefillResult
@@ -244,7 +249,7 @@ class PrefillServer:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
         names the signals). Never blocks the event loop."""
-        window_start = time.perf_counter() - self._ttft_ms.window_s
+        window_start = time.perf_counter() - SIGNAL_WINDOW_S
         rate = prompt_tokens_per_s(self.engine.prompt_steps.copy(), window_start)
         self._tokens_per_s = rate or self._tokens_per_s
         return prefill_signals(self.replica.loop.occupancy, self._tokens_per_s, self._ttft_ms)
