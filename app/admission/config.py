@@ -232,16 +232,18 @@ class AdaptivePrefillSettings(_Strict):
         "it prefilled itself), assume the prefill pool's measured rate (both run the same "
         "model); off = the static rule decides until it has.",
     )
-    decode_overflow_gap: int = Field(
+    decode_overflow_gap: float = Field(
         default=2,
-        ge=1,
+        ge=0,
+        allow_inf_nan=False,
         description="Prefill pools with `serves_decode` take a whole request (its prompt "
         "prefilled and decoded there, no KV transfer) while the decode pool's least loaded "
-        "replica's decode load, (sequences + 1) / (1 - prompt_busy), is at least this much "
-        "above theirs (`app/admission/overflow.py`). 1 balances at any imbalance (CPU "
-        "replicas, where a decode step's cost grows with its batch); a larger gap keeps "
-        "prompts isolated until decode is that far ahead (GPUs, where a bigger batch costs "
-        "little until memory or the batch limit binds).",
+        "replica's decode load, (sequences + 1) / (1 - prompt_busy), is above theirs by at "
+        "least this much (`app/admission/overflow.py`). 0 joins the shorter queue, ties "
+        "staying on decode (CPU replicas, where a decode step's cost grows with its batch and "
+        "two replicas serve best evenly loaded); a larger gap keeps prompts isolated until "
+        "decode is that far ahead (GPUs, where a bigger batch costs little until memory or "
+        "the batch limit binds).",
     )
     decode_overflow_max_prompt_busy: float = Field(
         default=0.5,

@@ -61,7 +61,7 @@ class OverflowChoice:
 
 
 def choose_overflow(
-    decode: float, candidates: Mapping[str, float | None], gap: int
+    decode: float, candidates: Mapping[str, float | None], gap: float
 ) -> OverflowChoice:
     """Where a request goes, from the decode load (`decode_load`) of the decode pool's least
     loaded replica (`decode`) and of each candidate pool's (`candidates`, in preference
@@ -76,9 +76,10 @@ def choose_overflow(
     candidates = idle
     pool, load = min(candidates.items(), key=lambda item: item[1])
     figures = f"decode load {decode:.1f} on decode vs {load:.1f} on {pool}"
-    if decode - load >= gap:
+    if decode > load and decode - load >= gap:  # a tie stays on decode, even at gap 0
         return OverflowChoice(pool, f"decode overflow: {figures} -> served whole on {pool}")
-    return OverflowChoice(None, f"{figures}: gap below {gap}, route stands")
+    need = f"above by {gap:g}" if gap else "above"
+    return OverflowChoice(None, f"{figures}: decode not {need}, route stands")
 
 
 class DecodeOverflow:

@@ -45,7 +45,17 @@ def test_the_gap_is_inclusive(decode: float, candidate: float, moved: bool) -> N
     choice = choose_overflow(decode, {"prefill": candidate}, gap=2)
     assert (choice.pool == "prefill") is moved
     if not moved:
-        assert "gap below 2, route stands" in choice.reason
+        assert "decode not above by 2, route stands" in choice.reason
+
+
+@pytest.mark.parametrize(("decode", "candidate", "moved"), [(1.0, 1.0, False), (1.1, 1.0, True)])
+def test_gap_zero_joins_the_shorter_queue_and_a_tie_stays(
+    decode: float, candidate: float, moved: bool
+) -> None:
+    choice = choose_overflow(decode, {"prefill": candidate}, gap=0)
+    assert (choice.pool == "prefill") is moved
+    if not moved:
+        assert choice.reason.endswith("decode not above, route stands")
 
 
 def test_no_candidate_leaves_the_route() -> None:
@@ -118,7 +128,7 @@ def test_apply_keeps_the_route_while_decode_has_room() -> None:
     loads.publish("prefill", 1)
     route = loads.overflow().apply(REMOTE, 900, "")
     assert route.prefill_pool == "prefill" and route.decode_pool == "decode"
-    assert route.reason.endswith("2.0 on prefill: gap below 2, route stands")
+    assert route.reason.endswith("2.0 on prefill: decode not above by 2, route stands")
 
 
 def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
@@ -165,7 +175,7 @@ def test_time_spent_on_prompts_weighs_on_either_side() -> None:
     loads.publish("decode", 3)  # load 4
     loads.publish("prefill", 0, prompt_busy=0.8)  # load 5: its streams would wait on prompts
     assert overflow.apply(LOCAL, 40, "").reason.endswith(
-        "5.0 on prefill: gap below 2, route stands"
+        "5.0 on prefill: decode not above by 2, route stands"
     )
     loads.publish("prefill", 0, prompt_busy=0.4)  # load 1.7
     assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
@@ -242,8 +252,8 @@ def test_serves_decode_is_for_prefill_pools_with_adaptive_on() -> None:
         )
     with pytest.raises(ValidationError, match="needs adaptive_prefill.enabled"):
         config(adaptive_prefill={"enabled": False})
-    with pytest.raises(ValidationError, match="greater than or equal to 1"):
-        config(adaptive_prefill={"decode_overflow_gap": 0})
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        config(adaptive_prefill={"decode_overflow_gap": -1})
     with pytest.raises(ValidationError, match="less than or equal to 1"):
         config(adaptive_prefill={"decode_overflow_max_prompt_busy": 1.5})
 

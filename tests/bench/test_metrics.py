@@ -161,7 +161,9 @@ def test_route_kinds_from_the_route_header() -> None:
     assert route_kind(adaptive + "local cost 0.2 s -> local prefill") == "local"
     assert route_kind(adaptive + "local cost 4.0 s -> remote prefill") == "remote"
     assert route_kind(static_local + overflow + " on prefill") == "whole"
-    assert route_kind(remote + "; 1.0 on decode vs 1.0 on prefill: gap below 1") == "remote"
+    assert (
+        route_kind(remote + "; 1.0 on decode vs 1.0 on prefill: decode not above by 1") == "remote"
+    )
 
 
 def test_route_breakdown_says_where_the_misses_came_from() -> None:
