@@ -1,18 +1,21 @@
 """`pdserve bench compare`: goodput of several configs on this machine, with intervals.
 
-Configs (`--configs a,b,c`, any number ≥ 2; the last is the baseline) run in turn, seed by
-seed: for each of `--seeds` seeds, every config is deployed on its own private Ray instance
-(`--num-cpus`, default 2; model `--model`, default the built-in `small`; `--dtype`), then
+Configs (`--configs a,b,c`, any number >= 2; the last is the baseline) are compared seed by
+seed. At each of `--seeds` seeds every config runs a knee search (`bench/knee.py`): from
+`--rate-start` (later seeds start at 0.75x the config's mean goodput so far), doubling
+until attainment < `--target`, then bisecting to `--tolerance`, at most `--max-points`
+points, each exactly `--requests-per-point` requests (default 100) with a Wilson interval
+on its attainment. The configs take turns point by point: the first point of every config,
+then the second of every config still searching, and so on; each point is measured on a
+fresh deployment of its config on a private Ray instance (`--num-cpus`, default 2; model
+`--model`, default the built-in `small`; `--dtype`). So configs are compared minutes
+apart, not an hour apart, on a host whose speed drifts (`bench/compare_run.py`).
 
-1. the host's load average and each workload class's isolated TTFT/TPOT (requests one at a
-   time, median of `--isolated-repeats`) are recorded;
-2. the knee search (`bench/knee.py`) probes rates from `--rate-start` (later seeds start at
-   0.75x the config's mean goodput so far): doubling until attainment < `--target`, then
-   bisecting to `--tolerance`, at most `--max-points` points, each exactly
-   `--requests-per-point` requests (default 100) with a Wilson interval on its attainment;
-3. isolated TTFT/TPOT and the load average again: a run whose isolated figures moved by more
-   than `--drift-threshold` (relative) is marked `noisy` (`--exclude-noisy` leaves noisy runs
-   out of the aggregates while a quiet one remains).
+Each run records the host's load average and each workload class's isolated TTFT/TPOT
+(requests one at a time, median of `--isolated-repeats`) before its first point and after
+its last: a run whose isolated figures moved by more than `--drift-threshold` (relative) is
+marked `noisy` (`--exclude-noisy` leaves noisy runs out of the aggregates while a quiet one
+remains).
 
 Seeds fix the requests (contents and arrival pattern): at one seed every config and every
 rate sees the same requests. `--replica-cores 0-3` pins the configs' pools to those cores
@@ -42,229 +45,32 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from bench import compare_report, compare_store, quiet
-from bench.compare_store import SloPlan, Slos, resumed, settings, slo_section
+from bench.compare_run import ConfigRun
+from bench.compare_store import Slos, resumed, settings, slo_section
 from bench.goodput import add_sweep_args
-from bench.knee import find_knee
-from bench.loadgen import RunResult, Target, run_load_sync, run_report
-from bench.metrics import SLO, finite_or_none, meets_slo
-from bench.serve_app import app_args, free_port, running_app
-from bench.stats import wilson_interval
-from bench.workloads import (
-    PER_CLASS_SLO,
-    ScheduledRequest,
-    add_workload_args,
-    class_shapes,
-    describe_workload,
-    requests_from_args,
-)
+from bench.metrics import finite_or_none
+from bench.serve_app import app_args, free_port
+from bench.workloads import add_workload_args, describe_workload
 
 
-def measure_isolated(
-    target: Target, args: argparse.Namespace, seed: int, phase: int = 0
-) -> dict[str, Any]:
-    """Median TTFT/TPOT (ms) of each class, requests sent one at a time (no contention).
-
-    Every prompt is new to the server (`phase` 0 before the knee search, 1 after it draws
-    other prompts), and the warm-up request is one more new prompt: a repeated prompt would
-    hit the prefix cache and measure a shorter prefill than the workload's."""
-    import numpy as np
-
-    rng = np.random.default_rng([seed + 1, phase])
-    out: dict[str, Any] = {}
-    for label, shape in class_shapes(args).items():
-        warm = [ScheduledRequest(0, 0.0, shape.sample(rng))]
-        run_load_sync(target, warm, concurrency=1, warmup=0, progress=False)
-        requests = [
-            ScheduledRequest(i, 0.0, shape.sample(rng)) for i in range(args.isolated_repeats)
-        ]
-        result = run_load_sync(target, requests, concurrency=1, warmup=0, progress=False)
-        done = [r for r in result.records if r.success]
-        ttfts = [r.ttft_s * 1000 for r in done if r.ttft_s is not None]
-        tpots = [r.tpot_s * 1000 for r in done if r.tpot_s is not None]
-        out[label] = {
-            "input_len": shape.input_len,
-            "output_len": shape.output_len,
-            "num_requests": len(done),
-            "ttft_ms": statistics.median(ttfts) if ttfts else None,
-            "tpot_ms": statistics.median(tpots) if tpots else None,
-        }
-    return out
-
-
-def derive_slo(isolated: Mapping[str, Any], k_ttft: float, k_tpot: float) -> tuple[SLO, str]:
-    """One shared SLO from isolated measurements, and a sentence saying how."""
-    ttfts = [c["ttft_ms"] for c in isolated.values() if c["ttft_ms"] is not None]
-    tpots = [c["tpot_ms"] for c in isolated.values() if c["tpot_ms"] is not None]
-    if not ttfts or not tpots:
-        raise RuntimeError(f"isolated requests failed, cannot derive SLOs: {isolated}")
-    slo = SLO(round(k_ttft * max(ttfts), 1), round(k_tpot * min(tpots), 1))
-    how = (
-        f"TTFT SLO = {k_ttft} x max isolated TTFT ({max(ttfts):.1f} ms, longest prompt); "
-        f"TPOT SLO = {k_tpot} x min isolated TPOT ({min(tpots):.1f} ms, batch-1 decode)"
-    )
-    return slo, how
-
-
-def plan_slos(args: argparse.Namespace, isolated: Mapping[str, Any]) -> Slos:
-    """Every class's SLO (and the shared one, if shared): given values win, the rest derived."""
-    labels = list(class_shapes(args))
-    given = SLO(args.slo_ttft, args.slo_tpot)
-    if args.workload not in PER_CLASS_SLO:
-        how = "given on the command line"
-        slo = given
-        if given.ttft_ms is None or given.tpot_ms is None:
-            derived, how = derive_slo(isolated, args.k_ttft, args.k_tpot)
-            slo = SLO(
-                given.ttft_ms if given.ttft_ms is not None else derived.ttft_ms,
-                given.tpot_ms if given.tpot_ms is not None else derived.tpot_ms,
-            )
-        return {label: slo for label in labels}, slo, how
-    plan: SloPlan = {}
-    for i, label in enumerate(labels):
-        factor = 1.0 if i == 0 else args.batch_slo_factor
-        c = isolated[label]
-        if c["ttft_ms"] is None or c["tpot_ms"] is None:
-            raise RuntimeError(f"isolated {label} requests failed, cannot derive SLOs: {c}")
-        ttft = given.ttft_ms if given.ttft_ms is not None else args.k_ttft * c["ttft_ms"]
-        tpot = given.tpot_ms if given.tpot_ms is not None else args.k_tpot * c["tpot_ms"]
-        plan[label] = SLO(round(factor * ttft, 1), round(factor * tpot, 1))
-    how = (
-        f"per class: TTFT {args.k_ttft} x and TPOT {args.k_tpot} x the class's isolated figures "
-        f"(or the given SLOs), the classes after the first {args.batch_slo_factor} x looser"
-    )
-    return plan, None, how
-
-
-def point(
-    result: RunResult,
-    plan: SloPlan,
-    shared: SLO | None,
-    target: Target | None,
-    confidence: float,
-) -> dict[str, Any]:
-    """One rate point's report (with the server's side if `target`) and per-class counts;
-    `attainment` is the lowest class's share (with a shared SLO: all requests, one class)."""
-    report = run_report(result, shared or SLO(), target)
-    records = result.records
-    groups = {"all": records} if shared else {k: [r for r in records if r.label == k] for k in plan}
-    classes: dict[str, Any] = {}
-    for label, group in groups.items():
-        met = sum(meets_slo(r, plan[r.label]) for r in group)
-        ci = wilson_interval(met, len(group), confidence) if group else (0.0, 1.0)
-        classes[label] = {"met": met, "n": len(group), "share": met / max(1, len(group))}
-        classes[label]["ci"] = list(ci)
-    worst = min(classes.values(), key=lambda c: c["share"] if c["n"] else 2.0)
-    return {
-        "attainment": worst["share"],
-        "attainment_ci": worst["ci"],
-        "num_requests": len(records),
-        "classes": classes,
-        **report,
-    }
-
-
-def point_seed(seed: int, points: list[dict[str, Any]]) -> int:
-    """The workload seed of the next knee point of a run at `seed`: distinct for every point
-    of every seed, the same for the k-th point of every config."""
-    return 1000 * (seed + 1) + len(points)
-
-
-def run_once(
-    name: str,
-    seed: int,
-    args: argparse.Namespace,
-    slos: Slos | None,
-    rate_start: float,
-    bar: tqdm,
-    started: Mapping[str, Any] | None = None,
-    on_point: Callable[[dict[str, Any], Slos], None] | None = None,
-) -> tuple[dict[str, Any], Slos]:
-    """Deploy `name`, measure isolated requests, search the knee at `seed`, measure again.
-    `slos` is `(plan, shared, how)` or None (derive them here); returns the run and slos.
-
-    `on_point(partial_run, slos)` is called after every point measured (a checkpoint).
-    `started` is such a partial run of an interrupted session (`--resume`): the search,
-    being deterministic, asks for the same rates again, and its recorded points answer them
-    instead of new measurements (`resumed_points` says how many)."""
-    replay = list(started["points"]) if started else []
-    if started:
-        rate_start = started["rate_start"]
-    config_args = app_args(name, args.model, args.dtype, free_port())
-    if args.replica_cores:
-        config_args = quiet.pin_pools(config_args, args.replica_cores)
-    seeded = argparse.Namespace(**{**vars(args), "seed": seed})
-    with running_app(config_args, args.num_cpus) as app:
-        target = Target(app.base_url, app.model_name, timeout_s=args.timeout)
-        host_before, iso_before = quiet.host_state(), measure_isolated(target, seeded, seed)
-        slos = slos or plan_slos(args, iso_before)
-        plan, shared, how = slos
-        points: list[dict[str, Any]] = []
-
-        def attainment_at(rate: float) -> float:
-            bar.set_postfix_str(f"{name} seed {seed} rate {rate:.3g}")
-            if len(points) < len(replay) and replay[len(points)]["rate"] == rate:
-                points.append(replay[len(points)])  # measured before the interruption
-                return float(points[-1]["attainment"])
-            # New prompts at every point (the k-th point of every config gets the same ones):
-            # repeating a point's prompts would let the prefix cache serve their prefill.
-            point_args = argparse.Namespace(**{**vars(seeded), "seed": point_seed(seed, points)})
-            requests = requests_from_args(point_args, rate, 0.0, args.requests_per_point)
-            progress = not args.no_progress
-            result = run_load_sync(target, requests, args.concurrency, 1, progress, name)
-            points.append({"rate": rate, **point(result, plan, shared, target, args.confidence)})
-            value = float(points[-1]["attainment"])
-            line = {"config": name, "seed": seed, "rate": rate, "attainment": value}
-            print(json.dumps(line), file=sys.stderr)
-            if on_point is not None:
-                partial = {"config": name, "seed": seed, "rate_start": rate_start}
-                on_point({**partial, "points": points}, (plan, shared, how))
-            return value
-
-        search = find_knee(attainment_at, rate_start, args.target, args.tolerance, args.max_points)
-        iso_after, host_after = measure_isolated(target, seeded, seed, 1), quiet.host_state()
-    moved = quiet.drift(iso_before, iso_after)
-    run = {
-        "config": name,
-        "seed": seed,
-        "args": config_args,
-        "rate_start": rate_start,
-        "host_before": host_before,
-        "host_after": host_after,
-        "isolated_before": iso_before,
-        "isolated_after": iso_after,
-        "drift": moved,
-        "noisy": moved is None or moved > args.drift_threshold,
-        "goodput": {
-            "goodput": search.estimate.goodput,
-            "low_rate": search.estimate.low_rate,
-            "high_rate": search.estimate.high_rate,
-            "bracketed": search.estimate.bracketed,
-            "converged": search.converged,
-        },
-        "points": points,
-        "resumed_points": sum(p is q for p, q in zip(points, replay, strict=False)),
-    }
-    return run, slos
-
-
-def run_with_retry(name: str, seed: int, *rest: Any) -> tuple[dict[str, Any], Slos]:
-    """`run_once`, run again once if it raised (a Ray instance that did not start on a busy
-    host, a replica that died): a long comparison should not end on one transient failure."""
+def step_with_retry(run: ConfigRun, slos: Slos | None, *rest: Any) -> Slos:
+    """`run.step`, once more if it raised (a Ray instance that did not start on a busy host,
+    a replica that died): a long comparison should not end on one transient failure."""
     try:
-        return run_once(name, seed, *rest)
-    except Exception as e:  # noqa: BLE001 - any failure of the deployment or the run
-        print(f"== {name} seed {seed} failed ({e!r}); running it again", file=sys.stderr)
+        return run.step(slos, *rest)
+    except Exception as e:  # noqa: BLE001 - any failure of the deployment or the point
+        print(f"== {run.name} seed {run.seed} failed ({e!r}); trying again", file=sys.stderr)
         import ray
 
         ray.shutdown()  # whatever a failed start left behind (a no-op if nothing)
-        return run_once(name, seed, *rest)
+        return run.step(slos, *rest)
 
 
 def next_start(runs: Sequence[Mapping[str, Any]], rate_start: float) -> float:
@@ -349,31 +155,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": settings(args),
     }
     order = [baseline, *names[:-1]]  # the baseline first: it sets the derived SLOs
+    active: list[ConfigRun] = []  # the runs of the seed being measured
 
-    def save(partial: dict[str, Any] | None, slos: Slos) -> None:
+    def save(slos: Slos) -> None:
         """A checkpoint (after every point): `--resume` continues from it. Interrupted
-        runs not resumed yet are kept beside the one being measured."""
-        here = None if partial is None else (partial["config"], partial["seed"])
-        kept = [p for p in started if (p["config"], p["seed"]) != here]
-        in_progress = [*kept, partial] if partial is not None else kept
+        runs not resumed yet are kept beside the ones being measured."""
+        here = {(run.name, run.seed) for run in active}
+        kept = [p for p in started if (p["config"], p["seed"]) not in here]
+        in_progress = kept + [run.partial() for run in active if not run.done]
         checkpoint = {**header, "complete": False, "slo": slo_section(slos, baseline)}
         compare_store.save_json(
             args.json, {**checkpoint, "runs": runs, "in_progress": in_progress or None}
         )
 
+    def interrupted(name: str, seed: int) -> dict[str, Any] | None:
+        return next((p for p in started if (p["config"], p["seed"]) == (name, seed)), None)
+
     done = sum(len(runs[name]) for name in names)
     with tqdm(total=len(seeds) * len(names), initial=done, desc="compare", file=sys.stderr) as bar:
         for seed in seeds:
-            for name in order:
-                if any(run["seed"] == seed for run in runs[name]):
-                    continue  # kept from the checkpoint (--resume)
-                start = next_start(runs[name], args.rate_start)
-                mine = next((p for p in started if (p["config"], p["seed"]) == (name, seed)), None)
-                run, slos = run_with_retry(name, seed, args, slos, start, bar, mine, save)
-                runs[name].append(run)
-                started = [p for p in started if p is not mine]
-                save(None, slos)
-                bar.update(1)
+            active[:] = [
+                ConfigRun(
+                    name,
+                    seed,
+                    args,
+                    next_start(runs[name], args.rate_start),
+                    interrupted(name, seed),
+                )
+                for name in order
+                if not any(run["seed"] == seed for run in runs[name])  # kept (--resume)
+            ]
+            while pending := [run for run in active if not run.done]:
+                for run in pending:  # one point each, in turn
+                    slos = step_with_retry(run, slos, bar, save)
+                    if run.done:
+                        runs[run.name].append(run.report())
+                        save(slos)
+                        bar.update(1)
+            started = [p for p in started if p["seed"] != seed]
     assert slos is not None  # set by the first run (seeds >= 1)
     summary = compare_report.aggregate(
         runs, names, args.target, args.exclude_noisy, args.bootstrap, args.confidence

@@ -63,6 +63,74 @@ class KneeSearch:
     converged: bool  # the bracket narrowed to the tolerance within max_points
 
 
+class KneeStepper:
+    """The knee search (module docstring) one probe at a time: `next_rate()` says which rate
+    to measure (None: the search is over), `record(rate, attainment)` gives its outcome.
+    Several steppers can then advance in turn, so that configs compared on one host are
+    measured side by side rather than one search after another."""
+
+    def __init__(
+        self,
+        rate_start: float,
+        target: float = DEFAULT_TARGET,
+        tolerance: float = 0.1,
+        max_points: int = 10,
+    ) -> None:
+        if rate_start <= 0:
+            raise ValueError(f"rate_start must be positive, got {rate_start}")
+        if not 0 <= tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+        if max_points < 1:
+            raise ValueError(f"max_points must be at least 1, got {max_points}")
+        self.rate_start, self.target = rate_start, target
+        self.tolerance, self.max_points = tolerance, max_points
+        self.points: list[tuple[float, float]] = []  # (rate, attainment), in probe order
+        self._passing: float | None = None  # highest rate known to pass below `_failing`
+        self._failing: float | None = None  # lowest rate known to fail
+        self._bracketing = True  # doubling or halving; False: bisecting
+        self._rate = rate_start  # the next bracketing probe
+
+    def next_rate(self) -> float | None:
+        """The rate to measure next, or None when the search is over."""
+        if len(self.points) >= self.max_points:
+            return None
+        if self._bracketing:
+            return self._rate
+        if self._passing is None or self._failing is None or self._narrow_enough():
+            return None
+        return (self._passing + self._failing) / 2
+
+    def record(self, rate: float, attainment: float) -> None:
+        """The outcome of measuring `next_rate()`."""
+        self.points.append((rate, attainment))
+        passed = attainment >= self.target
+        if passed:
+            self._passing = rate
+        else:
+            self._failing = rate
+        if not self._bracketing:
+            return
+        if passed:
+            self._bracketing = self._failing is None
+            self._rate = rate * 2
+        else:
+            floor = self.rate_start / 2**MAX_HALVINGS
+            self._bracketing = self._passing is None and rate >= floor
+            self._rate = rate / 2
+
+    def _narrow_enough(self) -> bool:
+        return (
+            self._passing is not None
+            and self._failing is not None
+            and self._failing - self._passing <= self.tolerance * self._failing
+        )
+
+    def result(self) -> KneeSearch:
+        """The points so far and the goodput they give."""
+        estimate = interpolate_goodput(self.points, self.target)
+        return KneeSearch(list(self.points), estimate, self._narrow_enough())
+
+
 def find_knee(
     attainment_at: Callable[[float], float],
     rate_start: float,
@@ -71,48 +139,10 @@ def find_knee(
     max_points: int = 10,
 ) -> KneeSearch:
     """Probe rates (see the module docstring) until the knee is bracketed to `tolerance`."""
-    if rate_start <= 0:
-        raise ValueError(f"rate_start must be positive, got {rate_start}")
-    if not 0 <= tolerance < 1:
-        raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
-    if max_points < 1:
-        raise ValueError(f"max_points must be at least 1, got {max_points}")
-    points: list[tuple[float, float]] = []
-    passing: float | None = None  # highest rate known to pass below `failing`
-    failing: float | None = None  # lowest rate known to fail
-    rate = rate_start
-    while len(points) < max_points:
-        value = attainment_at(rate)
-        points.append((rate, value))
-        if value >= target:
-            passing = rate
-            if failing is not None:
-                break
-            rate *= 2
-        else:
-            failing = rate
-            if passing is not None or rate < rate_start / 2**MAX_HALVINGS:
-                break
-            rate /= 2
-
-    def narrow_enough() -> bool:
-        return (
-            passing is not None
-            and failing is not None
-            and failing - passing <= (tolerance * failing)
-        )
-
-    while passing is not None and failing is not None and len(points) < max_points:
-        if narrow_enough():
-            break
-        rate = (passing + failing) / 2
-        value = attainment_at(rate)
-        points.append((rate, value))
-        if value >= target:
-            passing = rate
-        else:
-            failing = rate
-    return KneeSearch(points, interpolate_goodput(points, target), narrow_enough())
+    stepper = KneeStepper(rate_start, target, tolerance, max_points)
+    while (rate := stepper.next_rate()) is not None:
+        stepper.record(rate, attainment_at(rate))
+    return stepper.result()
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,13 @@ def test_compare_pipeline(tiny_model_dir: Path, tmp_path: Path) -> None:
     if ratio is not None:  # None only if the baseline's goodput came out 0
         disagg = document["goodput"]["cpu-disagg"]["mean"]
         assert ratio == pytest.approx(disagg / document["goodput"]["cpu-colocated"]["mean"])
+    # The configs took turns: every config's k-th point came before any (k+1)-th point.
+    rounds: dict[int, list[float]] = {}
+    for (run,) in document["runs"].values():
+        for k, point in enumerate(run["points"]):
+            rounds.setdefault(k, []).append(point["started_at"])
+    for k in range(1, len(rounds)):
+        assert max(rounds[k - 1]) < min(rounds[k])
     assert len(document["plots"]) == 5
     assert all(Path(p).stat().st_size > 1000 for p in document["plots"])
 

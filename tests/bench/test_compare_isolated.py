@@ -1,4 +1,4 @@
-"""`bench.compare` sends only prompts the server has not seen, in isolated requests and at
+"""`bench.compare_run` sends only prompts the server has not seen, in isolated requests and at
 every knee point: a repeated prompt would hit the prefix cache and measure a shorter prefill
 (before this, isolated figures after a run "drifted" 55-70% from those before it on long
 prompts for that reason alone)."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import bench.compare as compare
+import bench.compare_run as compare
 from bench.workloads import add_workload_args
 
 

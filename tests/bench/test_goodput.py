@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from bench.compare import derive_slo, parse_args, plan_slos, point
+from bench.compare import parse_args
 from bench.compare_report import common_rate, plot
+from bench.compare_run import derive_slo, plan_slos, point
 from bench.goodput import goodput_report, interpolate_goodput, next_rate, parse_rates, sweep
 from bench.loadgen import RunResult, normalize_base_url
 from bench.metrics import SLO, RequestRecord

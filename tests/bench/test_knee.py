@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from bench.compare_report import aggregate
-from bench.knee import PointCounts, find_knee, interpolate_goodput, resampled_goodput
+from bench.knee import (
+    KneeStepper,
+    PointCounts,
+    find_knee,
+    interpolate_goodput,
+    resampled_goodput,
+)
 from bench.stats import bootstrap_interval, spread, wilson_interval, z_score
 
 
@@ -193,3 +199,18 @@ def test_paired_ratio_cancels_a_swing_every_config_shares() -> None:
     assert (
         "ratio_ci_paired" not in aggregate(runs, ["a", "b"], 0.9, num_resamples=50)["ratios"]["a"]
     )
+
+
+def test_steppers_advanced_in_turn_probe_what_each_search_alone_would() -> None:
+    # `bench compare` interleaves configs point by point: the searches must not notice.
+    knees = {"a": 3.0, "b": 0.7, "c": 100.0}
+    alone = {
+        name: find_knee(linear(k, []), rate_start=1.0, max_points=6) for name, k in knees.items()
+    }
+    steppers = {name: KneeStepper(1.0, max_points=6) for name in knees}
+    while any(s.next_rate() is not None for s in steppers.values()):
+        for name, stepper in steppers.items():
+            if (rate := stepper.next_rate()) is not None:
+                stepper.record(rate, linear(knees[name], [])(rate))
+    for name, stepper in steppers.items():
+        assert stepper.result() == alone[name]
