@@ -180,7 +180,7 @@ class ConfigRun:
         self.isolated_before: dict[str, Any] | None = started.get("isolated_before")
         self.host_after: Any = None
         self.isolated_after: dict[str, Any] | None = None
-        self.config_args = self._deployment_args()
+        self.config_args: dict[str, Any] | None = None  # the last deployment's
 
     @property
     def done(self) -> bool:
@@ -202,8 +202,8 @@ class ConfigRun:
         (derived from this run's isolated figures when `slos` is None: the baseline's first
         run). `on_point(slos)` is called after the point is recorded (a checkpoint)."""
         rate = self.stepper.next_rate()
-        args = self._deployment_args()
-        with running_app(args, self.args.num_cpus) as app:
+        self.config_args = self._deployment_args()
+        with running_app(self.config_args, self.args.num_cpus) as app:
             target = Target(app.base_url, app.model_name, timeout_s=self.args.timeout)
             if self.isolated_before is None:
                 self.host_before = quiet.host_state()
