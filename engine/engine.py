@@ -117,6 +117,7 @@ class Engine:
         # (start, seconds, prompt tokens) of recent steps that computed prompt tokens: the
         # replica's prefill rate, which decode-only steps (whole requests) do not dilute
         self.prompt_steps: deque[tuple[float, float, int]] = deque(maxlen=1024)
+        self.started_at = time.perf_counter()  # the span those signals can cover
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""

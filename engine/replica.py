@@ -167,7 +167,10 @@ class EngineReplica:
             + occupancy["num_waiting_for_kv"],
             # Share of the recent window spent computing prompts: streams here stall then.
             "prompt_busy": busy_share(
-                self.engine.prompt_steps.copy(), time.perf_counter(), SIGNAL_WINDOW_S
+                self.engine.prompt_steps.copy(),
+                time.perf_counter(),
+                SIGNAL_WINDOW_S,
+                observed_since=self.engine.started_at,
             ),
         }
 

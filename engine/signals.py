@@ -20,6 +20,7 @@ MAX_SAMPLES = 4096
 # (after a quiet spell, or a fresh replica's first, cold request). The policies also ignore
 # a latency breach while the pool's load is low (`app/autoscaling.py`).
 MIN_SAMPLES = 2
+MIN_BUSY_SPAN_S = 1.0  # `busy_share` judges a younger replica over at least its first second
 
 PREFILL_SIGNALS = ("queued_prompt_tokens", "prefill_tokens_per_s", "ttft_p90_ms")
 DECODE_SIGNALS = (
@@ -83,14 +84,25 @@ def prompt_tokens_per_s(prompt_steps: Iterable[tuple[float, float, int]], since:
 
 
 def busy_share(
-    prompt_steps: Iterable[tuple[float, float, int]], now: float, window_s: float
+    prompt_steps: Iterable[tuple[float, float, int]],
+    now: float,
+    window_s: float,
+    observed_since: float | None = None,
 ) -> float:
-    """Share of the `window_s` seconds before `now` spent in steps that computed prompts
-    (`Engine.prompt_steps`), 0..1: a stream decoding on the replica waits that share of the
-    time, so its TPOT is its decode step's over (1 - share)."""
+    """Share of the last `window_s` seconds before `now` spent in steps that computed
+    prompts (`Engine.prompt_steps`), 0..1: a stream decoding on the replica waits that share
+    of the time, so its TPOT is its decode step's over (1 - share).
+
+    The share is of the time observed: a replica that started `observed_since` (its engine's
+    start) less than `window_s` ago is judged over its life so far, at least
+    `MIN_BUSY_SPAN_S`. Dividing by the whole window would read a replica 8 s old and
+    computing prompts all the time as 27% busy, so decode overflow would send whole requests
+    to a freshly started (or scaled-up) prefill replica saturated with prompts."""
     since = now - window_s
+    if observed_since is not None:
+        since = max(since, min(observed_since, now - MIN_BUSY_SPAN_S))
     busy = sum(duration for start, duration, _ in prompt_steps if start >= since)
-    return min(busy / window_s, 1.0)
+    return min(busy / (now - since), 1.0)
 
 
 def prefill_signals(

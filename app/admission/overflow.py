@@ -16,13 +16,13 @@ pool has room.
 
 The figure is a replica's decode load, `(num_sequences + 1) / (1 - prompt_busy)`: a new
 stream joins a batch of `num_sequences + 1` (running, queued, awaiting KV), and decodes only
-in the share of the time the replica is not computing prompts (`prompt_busy`, the last 30 s,
-from `Engine.prompt_steps`; both pools report it). So a prefill replica busy with prompts
-takes whole requests only when the decode pool is that much fuller, and the two pools' load
-evens out whichever of prompts or tokens binds. A replica busier with prompts than
-`adaptive_prefill.decode_overflow_max_prompt_busy` takes none: its streams' TPOT would more
-than double (the prefill-bound case, long-context load, where disaggregation pays and
-overflow would undo it; BENCHMARKS.md).
+in the share of the time the replica is not computing prompts (`prompt_busy`: the last 30 s,
+or its life so far when younger, from `Engine.prompt_steps`; both pools report it). So a
+prefill replica busy with prompts takes whole requests only when the decode pool is that
+much fuller, and the two pools' load evens out whichever of prompts or tokens binds. A
+replica busier with prompts than `adaptive_prefill.decode_overflow_max_prompt_busy` takes
+none: its streams' TPOT would more than double (the prefill-bound case, long-context load,
+where disaggregation pays and overflow would undo it; BENCHMARKS.md).
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by

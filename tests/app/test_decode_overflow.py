@@ -24,6 +24,7 @@ from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.loader import load_model_config
 from engine.request import SamplingParams
+from engine.signals import MIN_BUSY_SPAN_S, SIGNAL_WINDOW_S
 from prefill.server import PrefillServer
 
 SETTLE_TIMEOUT_S = 10.0
@@ -303,6 +304,7 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         while (stats := asyncio.run(serving.record_routing_stats()))["num_sequences"]:
             assert time.monotonic() < deadline, stats
             time.sleep(0.01)
+        age_s = time.perf_counter() - serving.engine.started_at  # the replica is < 30 s old
         assert stats["admission"]["num_active"] == 0
         # The prompt took one step, the 11 other tokens one each: the rate is the prompt's.
         prompt_steps = list(serving.engine.prompt_steps)
@@ -310,7 +312,10 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         assert len(serving.engine.step_times) == 12
         rate = len(prompt) / prompt_steps[0][1]
         assert stats["prefill_tokens_per_s"] == pytest.approx(rate)
-        assert stats["prompt_busy"] == pytest.approx(prompt_steps[0][1] / 30.0)
+        # busy over the replica's life so far (younger than the 30 s window), at least 1 s
+        assert age_s < SIGNAL_WINDOW_S
+        span_s = max(age_s, MIN_BUSY_SPAN_S)
+        assert stats["prompt_busy"] == pytest.approx(prompt_steps[0][1] / span_s, rel=0.05)
         occupancy = serving.replica.loop.occupancy
         assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
         with pytest.raises(RuntimeError, match="does not serve whole requests"):
