@@ -19,6 +19,7 @@ BENCHMARKS = {
     "serve": "bench.loadgen",
     "goodput": "bench.goodput",
     "compare": "bench.compare",
+    "summary": "bench.compare_summary",
     "chaos": "bench.chaos",
     "autoscale": "bench.autoscale",
     "overload": "bench.overload",
