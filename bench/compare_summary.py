@@ -142,13 +142,13 @@ def _interval(values: Sequence[float | None] | None) -> str:
 def markdown(summaries: Sequence[Mapping[str, Any]]) -> str:
     """The config x workload table (one row per workload and config)."""
     lines = [
-        "| workload (model) | seeds | config | goodput (req/s): mean ± std | "
+        "| workload (model) | file | seeds | config | goodput (req/s): mean ± std | "
         "/ baseline [interval; paired] | first config / best other [paired interval] |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in summaries:
         state = "" if s["complete"] else ", partial"
-        where = f"{s['workload']} (`{s['model']}`{state})"
+        where = f"{s['workload']} (`{s['model']}`{state}) | {Path(s.get('file', '-')).name}"
         seeds = ",".join(str(seed) for seed in s["seeds"]) or "none"
         for run in s.get("in_progress", []):
             low, high = run["bracket"]
@@ -234,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summaries = []
     for path in args.files:
         document = json.loads(path.read_text())
+        if not isinstance(document.get("settings"), dict) or "runs" not in document:
+            print(f"skipped {path}: not a `bench compare` file of this format", file=sys.stderr)
+            continue
         summary = summarize(document, args.bootstrap, args.confidence)
         summaries.append({"file": str(path), **summary})
     table = markdown(summaries)

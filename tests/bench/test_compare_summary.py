@@ -59,7 +59,7 @@ def test_table_pairs_seeds_and_divides_by_the_best_other_config() -> None:
     low, high = best["ci_paired"]
     assert low <= 0.5 + 1e-9 and high >= 4 / 3 - 1e-9  # seeds resampled jointly
     table = compare_summary.markdown([summary])
-    assert "| mixed (`small`) | 0,1 | `a` | 1.500 ± 0.707 |" in table
+    assert "| mixed (`small`) | - | 0,1 | `a` | 1.500 ± 0.707 |" in table
     assert "1.00× vs `d`" in table and "baseline" in table
 
 
@@ -80,5 +80,5 @@ def test_partial_file_uses_seeds_every_config_finished_and_shows_searches(
     assert summary["seeds"] == [0] and summary["goodput"]["a"]["per_run"] == [1.0]
     assert summary["in_progress"][0]["bracket"] == [1.5, None]  # nothing failed yet
     printed = capsys.readouterr().out
-    assert "mixed (`small`, partial)" in printed and "1 (in progress) | `c`" in printed
+    assert "| mixed (`small`, partial) | compare-mixed.json | 1 (in progress) | `c`" in printed
     assert plot.stat().st_size > 0
