@@ -203,7 +203,8 @@ class ConfigRun:
         run). `on_point(slos)` is called after the point is recorded (a checkpoint)."""
         rate = self.stepper.next_rate()
         self.config_args = self._deployment_args()
-        with running_app(self.config_args, self.args.num_cpus) as app:
+        with running_app(self.config_args, self.args.num_cpus, any_port=True) as app:
+            self.config_args = app.args  # its port, if the one picked was taken meanwhile
             target = Target(app.base_url, app.model_name, timeout_s=self.args.timeout)
             if self.isolated_before is None:
                 self.host_before = quiet.host_state()

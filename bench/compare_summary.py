@@ -107,7 +107,13 @@ def summarize(
     }
     target = float(document["target"])
     summary["in_progress"] = [
-        interim(run, target) for run in document.get("in_progress", []) if run["points"]
+        interim(run, target) for run in document.get("in_progress") or [] if run["points"]
+    ]
+    summary["unpaired"] = [  # finished, at a seed another config has not finished yet
+        {**interim(run, target), "goodput": run["goodput"]["goodput"]}
+        for name in names
+        for run in all_runs.get(name, [])
+        if run["seed"] not in seeds
     ]
     if not seeds:
         return summary
@@ -150,13 +156,16 @@ def markdown(summaries: Sequence[Mapping[str, Any]]) -> str:
         state = "" if s["complete"] else ", partial"
         where = f"{s['workload']} (`{s['model']}`{state}) | {Path(s.get('file', '-')).name}"
         seeds = ",".join(str(seed) for seed in s["seeds"]) or "none"
-        for run in s.get("in_progress", []):
+        partial = [(run, "finished, unpaired") for run in s.get("unpaired", [])]
+        partial += [(run, "in progress") for run in s.get("in_progress", [])]
+        for run, state in partial:
             low, high = run["bracket"]
             bracket = f"[{low:.3g}, {'none' if high is None else f'{high:.3g}'}]"
             searched = ", ".join(f"{rate:.3g}: {value:.2f}" for rate, value in run["points"])
+            so_far = "" if state.startswith("finished") else " so far"
             lines.append(
-                f"| {where} | {run['seed']} (in progress) | `{run['config']}` | "
-                f"{run['goodput']:.3f} so far, bracket {bracket} | points {searched} | |"
+                f"| {where} | {run['seed']} ({state}) | `{run['config']}` | "
+                f"{run['goodput']:.3f}{so_far}, bracket {bracket} | points {searched} | |"
             )
         if "goodput" not in s:
             continue

@@ -111,21 +111,47 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _start_serve(port: int, any_port: bool, attempts: int = 3) -> int:
+    """`serve.start` on `port`; returns the port it listens on. With `any_port`, a port that
+    one of Ray's own processes took between its choice and the proxy's bind ("Failed to
+    bind to address") is replaced by another free one, `attempts` times at most."""
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as exc:  # noqa: BLE001 - only the bind race is retried
+            if not any_port or "Failed to bind" not in str(exc) or attempt == attempts:
+                raise
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            logger.warning("port %d was taken before Serve bound it; trying another", port)
+            port = free_port()
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def running_app(
-    args: dict[str, Any], num_cpus: int = 2, startup_timeout_s: float = STARTUP_TIMEOUT_S
+    args: dict[str, Any],
+    num_cpus: int = 2,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    any_port: bool = False,
 ) -> Iterator[RunningApp]:
-    """Deploy `args` on a fresh local Ray instance; tear it all down on exit."""
+    """Deploy `args` on a fresh local Ray instance; tear it all down on exit. `any_port`:
+    the args' port was picked with `free_port` and another free one will do if it is taken
+    by the time Serve binds it (the yielded app's `port` and `args` say which)."""
     import ray
     from ray import serve
 
     from app.main import build_app
 
     config = load_config(args)
-    port = config.http.port
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve(config.http.port, any_port)
+        if port != config.http.port:
+            args = {**args, "http": {**(args.get("http") or {}), "port": port}}
         serve.run(build_app(args), name=config.app_name, route_prefix=config.route_prefix)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_timeout_s

@@ -147,6 +147,26 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def start_serve(attempts: int = 3) -> int:
+    """`serve.start` on a free port of 127.0.0.1; returns the port. Call it after `ray.init`,
+    whose processes take ports of their own: one of them can still take the chosen port
+    before the proxy binds it, and then the proxy fails ("Failed to bind to address"), so
+    Serve is shut down and started again on another port, `attempts` times at most."""
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as exc:  # noqa: BLE001 - only the bind race is retried
+            if "Failed to bind" not in str(exc) or attempt == attempts:
+                raise
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll `predicate` every 0.1 s; fail the test if it is not true within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -176,12 +196,11 @@ def server(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Server]:
     from app.main import build_app
 
     args: dict[str, Any] = request.module.pdserve_args(model_dir)
-    port = free_port()
     # address="local": never attach to a cluster someone else started on this machine.
     # Replica logs stay in the Ray session dir (not the test output); failures show there.
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         serve.run(build_app(args), name="pdserve", route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base_url, timeout=120) as http:

@@ -117,10 +117,9 @@ def server(request: pytest.FixtureRequest, model_dir: Path, metrics_port: int) -
     from ray import serve
 
     from app.main import build_app
-    from tests.app.conftest import Server, wait_until
+    from tests.app.conftest import Server, start_serve, wait_until
 
     args = pdserve_args(model_dir)
-    port = _free_port()
     ray.init(
         address="local",
         num_cpus=2,
@@ -130,7 +129,7 @@ def server(request: pytest.FixtureRequest, model_dir: Path, metrics_port: int) -
         _system_config={"metrics_report_interval_ms": 1000},
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         serve.run(build_app(args), name="pdserve", route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base_url, timeout=120) as http:

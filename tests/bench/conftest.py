@@ -29,5 +29,5 @@ def bench_server(tiny_model_dir: Path) -> Iterator[RunningApp]:
     from app.main import DEFAULT_ARGS
 
     args = app_args(DEFAULT_ARGS, model=str(tiny_model_dir), dtype="float32", port=free_port())
-    with running_app(args, num_cpus=2, startup_timeout_s=180) as app:
+    with running_app(args, num_cpus=2, startup_timeout_s=180, any_port=True) as app:
         yield app

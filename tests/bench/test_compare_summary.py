@@ -79,6 +79,9 @@ def test_partial_file_uses_seeds_every_config_finished_and_shows_searches(
     (summary,) = json.loads(out.read_text())
     assert summary["seeds"] == [0] and summary["goodput"]["a"]["per_run"] == [1.0]
     assert summary["in_progress"][0]["bracket"] == [1.5, None]  # nothing failed yet
+    unpaired = [(run["config"], run["seed"]) for run in summary["unpaired"]]
+    assert unpaired == [("a", 1), ("d", 1)]  # finished where c has not
     printed = capsys.readouterr().out
     assert "| mixed (`small`, partial) | compare-mixed.json | 1 (in progress) | `c`" in printed
+    assert "| 1 (finished, unpaired) | `a` | 2.000, bracket [2, 4] |" in printed
     assert plot.stat().st_size > 0
