@@ -111,23 +111,25 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _start_serve(port: int, any_port: bool, attempts: int = 3) -> int:
-    """`serve.start` on `port`; returns the port it listens on. With `any_port`, a port that
-    one of Ray's own processes took between its choice and the proxy's bind ("Failed to
-    bind to address") is replaced by another free one, `attempts` times at most."""
+def start_serve(port: int | None = None, attempts: int = 3) -> int:
+    """`serve.start` on 127.0.0.1 (after `ray.init`); returns the port it listens on. With
+    `port` None any free port will do: one of Ray's own processes can take the chosen port
+    before the proxy binds it ("Failed to bind to address"), and then Serve is shut down and
+    started on another free one, `attempts` times at most. A given `port` is not replaced."""
     from ray import serve
 
+    chosen = free_port() if port is None else port
     for attempt in range(1, attempts + 1):
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            return port
+            serve.start(http_options={"host": "127.0.0.1", "port": chosen})
+            return chosen
         except Exception as exc:  # noqa: BLE001 - only the bind race is retried
-            if not any_port or "Failed to bind" not in str(exc) or attempt == attempts:
+            if port is not None or "Failed to bind" not in str(exc) or attempt == attempts:
                 raise
             with contextlib.suppress(Exception):
                 serve.shutdown()
-            logger.warning("port %d was taken before Serve bound it; trying another", port)
-            port = free_port()
+            logger.warning("port %d was taken before Serve bound it; trying another", chosen)
+            chosen = free_port()
     raise AssertionError("unreachable")
 
 
@@ -149,7 +151,7 @@ def running_app(
     config = load_config(args)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        port = _start_serve(config.http.port, any_port)
+        port = start_serve(None if any_port else config.http.port)
         if port != config.http.port:
             args = {**args, "http": {**(args.get("http") or {}), "port": port}}
         serve.run(build_app(args), name=config.app_name, route_prefix=config.route_prefix)

@@ -23,6 +23,7 @@ import openai
 import pytest
 import torch
 
+from bench.serve_app import start_serve
 from engine.builtin import write_builtin_model
 
 SERVED_MODEL = "pdserve-tiny"  # "pdserve-" + the model directory's name
@@ -145,26 +146,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def start_serve(attempts: int = 3) -> int:
-    """`serve.start` on a free port of 127.0.0.1; returns the port. Call it after `ray.init`,
-    whose processes take ports of their own: one of them can still take the chosen port
-    before the proxy binds it, and then the proxy fails ("Failed to bind to address"), so
-    Serve is shut down and started again on another port, `attempts` times at most."""
-    from ray import serve
-
-    for attempt in range(1, attempts + 1):
-        port = free_port()
-        try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            return port
-        except Exception as exc:  # noqa: BLE001 - only the bind race is retried
-            if "Failed to bind" not in str(exc) or attempt == attempts:
-                raise
-            with contextlib.suppress(Exception):
-                serve.shutdown()
-    raise AssertionError("unreachable")
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -117,7 +117,8 @@ def server(request: pytest.FixtureRequest, model_dir: Path, metrics_port: int) -
     from ray import serve
 
     from app.main import build_app
-    from tests.app.conftest import Server, start_serve, wait_until
+    from bench.serve_app import start_serve
+    from tests.app.conftest import Server, wait_until
 
     args = pdserve_args(model_dir)
     ray.init(
