@@ -354,6 +354,7 @@ class Frontend:
                         # The decode pool's queue is full: every choice starts over on the
                         # fallback pool, on a fresh queue (the old one may get late items).
                         cancel_choices(tasks, timer)
+                        self.overflow.ended(prepared.route.decode_pool, prepared.n)
                         prepared = fallback
                         recorder.labels.update(
                             prefill_pool="local", decode_pool=fallback.route.decode_pool
@@ -384,6 +385,7 @@ class Frontend:
             cancel_choices(
                 tasks, timer
             )  # a client that went away cancels every choice on both pools
+            self.overflow.ended(prepared.route.decode_pool, prepared.n)
             self.in_flight[prepared.tenant] -= 1
             admitted.release()
 
@@ -396,6 +398,7 @@ class Frontend:
         tasks = [
             asyncio.create_task(pump_choice(handle, prepared, i, queue)) for i in range(prepared.n)
         ]
+        self.overflow.started(prepared.route.decode_pool, prepared.n)  # `run_batches` ends it
         return tasks, self.overload.deadline_timer(prepared.deadline, queue)
 
     def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:

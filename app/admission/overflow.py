@@ -27,7 +27,13 @@ where disaggregation pays and overflow would undo it; BENCHMARKS.md).
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
 up to a stats period; the sequences this ingress replica sent to a pool since its snapshot
-are added to it, so a burst does not all go one way. Missing or stale loads (older than
+are added to it, so a burst does not all go one way. A snapshot can also arrive after a
+request was sent yet have been measured before that request reached the replica: it then
+hides the request for a whole stats period, and the next one joins the same replica. So a
+pool's figure is never below what this ingress replica itself has running there (`started`
+to `ended`, spread over the pool's replicas), as Serve's own router counts its requests in
+flight (without it, 27 of 500 chat requests joined the busier replica and 20 of those
+missed their TPOT SLO; BENCHMARKS.md, the chat runs). Missing or stale loads (older than
 `adaptive_prefill.max_age_s`) leave the route as it is. Event loop only.
 """
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -101,6 +108,20 @@ class DecodeOverflow:
         self._max_prompt_busy = config.adaptive_prefill.decode_overflow_max_prompt_busy
         self._serving: list[PoolConfig] = [p for p in config.pools if p.serves_decode]
         self._sent = SentSince()
+        self._running: Counter[str] = Counter()  # pool -> this replica's sequences there
+
+    def started(self, pool: str, num_sequences: int) -> None:
+        """The ingress started `num_sequences` streams on `pool` (its decode pool, or the
+        prefill pool serving the request whole)."""
+        self._running[pool] += num_sequences
+
+    def ended(self, pool: str, num_sequences: int) -> None:
+        """Those streams ended, however (done, failed, cancelled, moved to a fallback)."""
+        self._running[pool] = max(0, self._running[pool] - num_sequences)
+
+    def running(self, pool: str) -> int:
+        """The streams this ingress replica has running on `pool` now."""
+        return self._running[pool]
 
     @property
     def enabled(self) -> bool:
@@ -155,15 +176,19 @@ class DecodeOverflow:
         self, pool: str, snapshot: PoolSnapshot, max_prompt_busy: float | None = None
     ) -> float | None:
         """The decode load of the pool's least loaded replica, counting the sequences this
-        ingress sent since the snapshot (spread over its replicas). With `max_prompt_busy`,
-        only replicas at most that busy with prompts count (None when none is)."""
+        ingress sent since the snapshot, and at least those it has running there (both
+        spread over its replicas). With `max_prompt_busy`, only replicas at most that busy
+        with prompts count (None when none is)."""
         stats = [s for s in snapshot.replicas.values() if s.get("num_sequences") is not None]
         if max_prompt_busy is not None:
             stats = [s for s in stats if float(s.get("prompt_busy", 0.0)) <= max_prompt_busy]
         if not stats:
             return None
         extra = self._sent.since(pool, snapshot.updated_at) / len(snapshot.replicas)
+        running = self.running(pool) / len(snapshot.replicas)
         return min(
-            decode_load(float(s["num_sequences"]) + extra, float(s.get("prompt_busy", 0.0)))
+            decode_load(
+                max(float(s["num_sequences"]) + extra, running), float(s.get("prompt_busy", 0.0))
+            )
             for s in stats
         )

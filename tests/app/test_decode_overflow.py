@@ -198,6 +198,35 @@ def test_a_burst_is_split_between_the_pools() -> None:
     assert pools == ["prefill", "prefill", "prefill", "decode", "prefill", "decode"], pools
 
 
+def test_a_snapshot_never_hides_what_this_ingress_has_running() -> None:
+    """A snapshot measured before a sent request reached its replica, but received after it
+    was sent, shows the replica idle: the request still counts until it ends."""
+    loads = Loads()
+    loads.publish("decode", 0)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow(config(adaptive_prefill={"decode_overflow_gap": 0}))
+    first = overflow.apply(LOCAL, 40, "")
+    assert first.decode_pool == "decode"  # a tie stays on decode
+    overflow.started("decode", 1)
+    loads.publish("decode", 0)  # arrives after the send, measured before it landed
+    loads.publish("prefill", 0)
+    second = overflow.apply(LOCAL, 40, "")
+    assert second.decode_pool == "prefill"
+    assert "decode load 2.0 on decode vs 1.0 on prefill" in second.reason
+    overflow.started("prefill", 1)
+    overflow.ended("decode", 1)
+    loads.publish("decode", 0)
+    loads.publish("prefill", 0)  # stale the same way: the whole request is still running
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+    overflow.ended("prefill", 1)
+    overflow.ended("prefill", 1)  # more ends than starts never go below zero
+    loads.publish("decode", 0)
+    loads.publish("prefill", 0)
+    assert overflow.apply(LOCAL, 40, "").reason.endswith(
+        "decode load 1.0 on decode vs 1.0 on prefill: decode not above, route stands"
+    )
+
+
 def test_n_counts_every_sequence() -> None:
     loads = Loads()
     loads.publish("decode", 4)

@@ -82,6 +82,7 @@ async def run_to_error(front: Frontend) -> tuple[list[str], BaseException]:
         async for _, delta in front.run(prepared):
             texts.append(delta.new_text)
     assert front.in_flight[prepared.tenant] == 0
+    assert front.overflow.running("decode") == 0  # the stream ended: decode overflow forgets it
     return texts, info.value
 
 
