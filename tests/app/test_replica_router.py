@@ -1,0 +1,177 @@
+"""The replica router's choice within a pool (`app/replica_router.py`), on Serve's real
+`RequestRouter` with replicas that carry only what the router reads (name, id, stats).
+
+The stats a replica reports lag by up to a stats period, so the router counts the calls it
+has in flight itself; a burst must spread over the pool, not pile onto whichever replica
+looked least loaded in the last report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+from app.replica_router import InFlight, KVAwareRouter, call_cost, replica_load
+from decode.protocol import GenerationSpec
+from engine.request import SamplingParams
+from prefill.protocol import PrefillRequest
+
+_ids = itertools.count()
+
+
+def replica(name: str, **stats: Any) -> Any:
+    """What `choose_replicas` reads of a Serve `RunningReplica`."""
+    return SimpleNamespace(
+        routing_stats={"replica": name, **stats}, replica_id=SimpleNamespace(unique_id=name)
+    )
+
+
+def pending(call: Any) -> Any:
+    """What `choose_replicas` reads of Serve's `PendingRequest`."""
+    return SimpleNamespace(
+        args=[call], metadata=SimpleNamespace(internal_request_id=f"call-{next(_ids)}")
+    )
+
+
+def stream(num_prompt_tokens: int = 64) -> GenerationSpec:
+    return GenerationSpec(f"r{next(_ids)}", tuple(range(num_prompt_tokens)), SamplingParams())
+
+
+def prefill(num_prompt_tokens: int, **hints: Any) -> PrefillRequest:
+    ids = tuple(range(num_prompt_tokens))
+    return PrefillRequest(f"p{next(_ids)}", ids, SamplingParams(), **hints)
+
+
+@pytest.fixture
+def router() -> KVAwareRouter:
+    return KVAwareRouter(DeploymentID(name="decode", app_name="t"), DeploymentHandleSource.UNKNOWN)
+
+
+def send(router: KVAwareRouter, replicas: list[Any], call: Any) -> tuple[str, str]:
+    """Route one call as Serve does (first rank; the tracked send): (replica, call id)."""
+    request = pending(call)
+    chosen = asyncio.run(router.choose_replicas(replicas, request))[0][0]
+    call_id = request.metadata.internal_request_id
+    cost = call_cost(call)
+    assert cost is not None
+    router.in_flight.sent(call_id, chosen.replica_id.unique_id, cost[1])
+    return chosen.routing_stats["replica"], call_id
+
+
+def test_calls_count_from_the_moment_they_are_ranked(router: KVAwareRouter) -> None:
+    # Serve switches tasks between choosing and sending: a burst chosen before any send
+    # must still spread.
+    replicas = [replica("a", num_free_blocks=100), replica("b", num_free_blocks=90)]
+    requests = [pending(stream()) for _ in range(4)]
+    firsts = [
+        asyncio.run(router.choose_replicas(replicas, r))[0][0].routing_stats["replica"]
+        for r in requests
+    ]
+    assert Counter(firsts) == {"a": 2, "b": 2}
+    # Serve sends the first to `b` after all (a's queue was full): it moves, not doubles.
+    router.in_flight.sent(requests[0].metadata.internal_request_id, "b", 0)
+    assert router.in_flight.load("a") == (1, 0) and router.in_flight.load("b") == (3, 0)
+    # Ranking a sent call again (Serve's retry) leaves it where it was sent.
+    router.in_flight.chosen(requests[0].metadata.internal_request_id, "a", 0)
+    assert router.in_flight.load("b") == (3, 0)
+
+
+def test_a_call_ranked_but_never_sent_stops_counting() -> None:
+    ledger = InFlight(chosen_ttl_s=0.0)
+    ledger.chosen("x", "a", 7)
+    ledger.sent("y", "a", 1)
+    time.sleep(0.01)
+    assert ledger.load("a") == (1, 1)  # x expired (cancelled while routing); y was sent
+
+
+def test_a_burst_of_streams_spreads_over_replicas_whatever_the_last_report_said(
+    router: KVAwareRouter,
+) -> None:
+    # The last report says `a` is freer; nothing has been reported since the burst began.
+    replicas = [
+        replica("a", num_sequences=0, queued_tokens=0, num_free_blocks=100),
+        replica("b", num_sequences=0, queued_tokens=0, num_free_blocks=90),
+    ]
+    placed = Counter(send(router, replicas, stream())[0] for _ in range(6))
+    assert placed == {"a": 3, "b": 3}  # by the report alone: all six on `a`
+
+
+def test_a_report_above_what_this_router_sent_still_counts(router: KVAwareRouter) -> None:
+    # Another ingress replica keeps `a` busy: its report wins over this router's zero.
+    replicas = [
+        replica("a", num_sequences=4, num_free_blocks=10),
+        replica("b", num_sequences=1, num_free_blocks=90),
+    ]
+    # b's report may already hold this router's calls, so b counts max(1, sent): four calls
+    # go to b before it ties a's 4 (each figure is a lower bound of the replica's load).
+    assert [send(router, replicas, stream())[0] for _ in range(4)] == ["b"] * 4
+    assert router.in_flight.load("b") == (4, 0)
+
+
+def test_completed_calls_stop_counting(router: KVAwareRouter) -> None:
+    replicas = [replica("a", num_free_blocks=100), replica("b", num_free_blocks=90)]
+    first, call_id = send(router, replicas, stream())
+    assert first == "a"
+    assert send(router, replicas, stream())[0] == "b"
+    router.on_request_completed(SimpleNamespace(unique_id="a"), call_id)  # type: ignore[arg-type]
+    assert router.in_flight.load("a") == (0, 0)
+    assert send(router, replicas, stream())[0] == "a"
+
+
+def test_prefill_calls_rank_by_the_prompt_tokens_in_flight(router: KVAwareRouter) -> None:
+    replicas = [replica("a", num_free_blocks=100), replica("b", num_free_blocks=90)]
+    assert send(router, replicas, prefill(4000))[0] == "a"
+    # `b` now has fewer queued tokens though it will hold more calls: tokens rank first.
+    assert [send(router, replicas, prefill(100))[0] for _ in range(3)] == ["b", "b", "b"]
+    assert router.in_flight.load("a") == (1, 4000)
+    assert router.in_flight.load("b") == (3, 300)
+    # A stream ranks by sequences first: `a` holds one call against `b`'s three.
+    assert send(router, replicas, stream())[0] == "a"
+    assert router.in_flight.load("a") == (2, 4000)  # a stream's prompt is not prefill work
+
+
+def test_exclusions_and_probes_still_hold(router: KVAwareRouter) -> None:
+    replicas = [replica("a", num_free_blocks=100), replica("b", num_free_blocks=90)]
+    ranks = asyncio.run(
+        router.choose_replicas(replicas, pending(prefill(8, exclude_replicas=("a",))))
+    )
+    assert [[r.routing_stats["replica"] for r in rank] for rank in ranks] == [["b"]]
+    call = prefill(8, probe_replica="b")
+    router.in_flight.sent("busy", "b", 10_000)
+    ranks = asyncio.run(router.choose_replicas(replicas, pending(call)))
+    assert [r.routing_stats["replica"] for rank in ranks for r in rank] == ["b", "a"]
+
+
+def test_control_calls_are_not_load() -> None:
+    assert call_cost(None) is None
+    assert call_cost("stats") is None
+    assert call_cost(stream(10)) == (False, 0)
+    assert call_cost(prefill(10)) == (True, 10)
+
+
+def test_replica_load_orders() -> None:
+    stats = {"queued_tokens": 50, "num_sequences": 2, "num_free_blocks": 7}
+    assert replica_load(stats, (0, 0), prefill_call=True) == (50.0, 2.0, -7.0)
+    assert replica_load(stats, (5, 20), prefill_call=False) == (5.0, 50.0, -7.0)
+    assert replica_load({}, (1, 900), prefill_call=True) == (900.0, 1.0, -0.0)
+
+
+def test_in_flight_ledger_is_exact_and_bounded() -> None:
+    ledger = InFlight(max_entries=3)
+    ledger.sent("x", "a", 5)
+    ledger.sent("x", "a", 5)  # the same call again (a retry of the send) counts once
+    assert ledger.load("a") == (1, 5)
+    ledger.completed("never-sent")
+    ledger.completed("x")
+    ledger.completed("x")
+    assert ledger.load("a") == (0, 0)
+    for i in range(5):
+        ledger.sent(f"c{i}", "b", 1)
+    assert ledger.load("b") == (3, 3)  # the two oldest dropped: a lost completion cannot leak
