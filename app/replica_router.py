@@ -12,11 +12,14 @@ every call of that period went to the same replica (the one that looked least lo
 moment ago), and a burst of streams piled onto it while the other replicas idled (in a
 test app: six of seven streams on one of two replicas). So each figure is never below what
 this router itself has in flight there (`InFlight`: calls ranked first for a replica or
-sent to it and not completed, and the prompt tokens of the prefill calls among them;
-counted from the ranking, as Serve may switch tasks before it sends). A prefill call
-(`PrefillRequest`) ranks by queued prompt tokens first (its wait), then calls; a stream
-(decode, or a request served whole) by the sequences it would share steps with first,
-then queued tokens; most free KV blocks breaks what remains.
+sent to it and not completed, and the prompt tokens they make it compute; counted from the
+ranking, as Serve may switch tasks before it sends). Replicas rank by queued prompt tokens
+first (a new call waits for them, and a stream there stalls while they are computed), then
+sequences (the batch a stream joins), then most free KV blocks. A prefill call's prompt
+counts until its hand-off; a stream's prompt counts when the replica prefills it itself
+(colocated, or served whole), for the stream's life: a replica with a 4k-token document in
+flight stays the worse place for a chat turn until that request ends, and with prompts of
+one size the order is by streams.
 
 Remote-prefill calls carry hints (`PrefillRequest.exclude_replicas`, `probe_replica`): an
 excluded replica (its circuit breaker is open, or it just failed this request) is never
@@ -112,26 +115,24 @@ class InFlight:
             del self._load[replica]
 
 
-def replica_load(
-    stats: dict, in_flight: tuple[int, int], prefill_call: bool
-) -> tuple[float, float, float]:
-    """Sort key (module docstring): each figure at least what this router has in flight
-    there; a prefill call ranks by queued tokens first, a stream by sequences first."""
+def replica_load(stats: dict, in_flight: tuple[int, int]) -> tuple[float, float, float]:
+    """Sort key (module docstring): queued prompt tokens, then sequences, then most free KV
+    blocks; each figure at least what this router has in flight there."""
     calls, prompt_tokens = in_flight
     tokens = max(float(stats.get("queued_tokens", 0) or 0), float(prompt_tokens))
     sequences = max(float(stats.get("num_sequences", 0) or 0), float(calls))
-    free = -float(stats.get("num_free_blocks", 0) or 0)
-    return (tokens, sequences, free) if prefill_call else (sequences, tokens, free)
+    return tokens, sequences, -float(stats.get("num_free_blocks", 0) or 0)
 
 
-def call_cost(first_arg: Any) -> tuple[bool, int] | None:
-    """(is a prefill call, its prompt tokens) for a call that computes on the replica (its
-    first argument is a request description); None for control calls (stats, drain)."""
+def call_cost(first_arg: Any) -> int | None:
+    """The prompt tokens a call makes its replica compute: a prefill call's, and a stream's
+    that the replica prefills itself (`prefill_pool` None: colocated, a short prompt, or a
+    request served whole); 0 for a stream prefilled elsewhere. None for control calls
+    (stats, drain): only calls whose first argument describes a request are load."""
     prompt = getattr(first_arg, "prompt_token_ids", None)
     if prompt is None:
         return None
-    prefill_call = hasattr(first_arg, "exclude_replicas")  # a PrefillRequest
-    return prefill_call, len(prompt) if prefill_call else 0
+    return len(prompt) if getattr(first_arg, "prefill_pool", None) is None else 0
 
 
 def replica_name(replica: RunningReplica) -> str:
@@ -160,7 +161,7 @@ class _TrackedReplica(RunningReplica):
         first: Any = pr.args[0] if pr.args else None
         cost = call_cost(first)
         if cost is not None:
-            self.in_flight.sent(pr.metadata.internal_request_id, self.replica_id.unique_id, cost[1])
+            self.in_flight.sent(pr.metadata.internal_request_id, self.replica_id.unique_id, cost)
         if hasattr(first, "exclude_replicas"):  # a PrefillRequest
             placement.placements.record(first.request_id, replica_name(self))
         return super().try_send_request(pr, with_rejection)
@@ -200,7 +201,6 @@ class KVAwareRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         exclude, probe = _hints(pending_request)
         first_arg = pending_request.args[0] if pending_request and pending_request.args else None
-        prefill_call = (call_cost(first_arg) or (False, 0))[0]
         allowed = [r for r in candidate_replicas if replica_name(r) not in exclude]
         first = [r for r in allowed if probe is not None and replica_name(r) == probe]
         rest = [r for r in allowed if r not in first]
@@ -209,13 +209,13 @@ class KVAwareRouter(RequestRouter):
 
         def key(r: RunningReplica) -> tuple[tuple[float, float, float], float]:
             in_flight = self.in_flight.load(r.replica_id.unique_id)
-            return replica_load(r.routing_stats, in_flight, prefill_call), random.random()
+            return replica_load(r.routing_stats, in_flight), random.random()
 
         ranks = [[r] for r in first + sorted(with_stats, key=key)]
         cost = call_cost(first_arg)
         if ranks and cost is not None and pending_request is not None:
             call_id = pending_request.metadata.internal_request_id
-            self.in_flight.chosen(call_id, ranks[0][0].replica_id.unique_id, cost[1])
+            self.in_flight.chosen(call_id, ranks[0][0].replica_id.unique_id, cost)
         if without:
             ranks.append(without)
         return ranks

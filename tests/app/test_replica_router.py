@@ -40,8 +40,10 @@ def pending(call: Any) -> Any:
     )
 
 
-def stream(num_prompt_tokens: int = 64) -> GenerationSpec:
-    return GenerationSpec(f"r{next(_ids)}", tuple(range(num_prompt_tokens)), SamplingParams())
+def stream(num_prompt_tokens: int = 64, prefill_pool: str | None = None) -> GenerationSpec:
+    """A stream's call; `prefill_pool=None`: the replica prefills its prompt itself."""
+    ids = tuple(range(num_prompt_tokens))
+    return GenerationSpec(f"r{next(_ids)}", ids, SamplingParams(), prefill_pool=prefill_pool)
 
 
 def prefill(num_prompt_tokens: int, **hints: Any) -> PrefillRequest:
@@ -61,7 +63,7 @@ def send(router: KVAwareRouter, replicas: list[Any], call: Any) -> tuple[str, st
     call_id = request.metadata.internal_request_id
     cost = call_cost(call)
     assert cost is not None
-    router.in_flight.sent(call_id, chosen.replica_id.unique_id, cost[1])
+    router.in_flight.sent(call_id, chosen.replica_id.unique_id, cost)
     return chosen.routing_stats["replica"], call_id
 
 
@@ -76,11 +78,11 @@ def test_calls_count_from_the_moment_they_are_ranked(router: KVAwareRouter) -> N
     ]
     assert Counter(firsts) == {"a": 2, "b": 2}
     # Serve sends the first to `b` after all (a's queue was full): it moves, not doubles.
-    router.in_flight.sent(requests[0].metadata.internal_request_id, "b", 0)
-    assert router.in_flight.load("a") == (1, 0) and router.in_flight.load("b") == (3, 0)
+    router.in_flight.sent(requests[0].metadata.internal_request_id, "b", 64)
+    assert router.in_flight.load("a") == (1, 64) and router.in_flight.load("b") == (3, 192)
     # Ranking a sent call again (Serve's retry) leaves it where it was sent.
-    router.in_flight.chosen(requests[0].metadata.internal_request_id, "a", 0)
-    assert router.in_flight.load("b") == (3, 0)
+    router.in_flight.chosen(requests[0].metadata.internal_request_id, "a", 64)
+    assert router.in_flight.load("b") == (3, 192)
 
 
 def test_a_call_ranked_but_never_sent_stops_counting() -> None:
@@ -109,9 +111,11 @@ def test_a_report_above_what_this_router_sent_still_counts(router: KVAwareRouter
         replica("a", num_sequences=4, num_free_blocks=10),
         replica("b", num_sequences=1, num_free_blocks=90),
     ]
+    # Streams prefilled elsewhere (a decode pool) bring no prompt work: sequences decide.
     # b's report may already hold this router's calls, so b counts max(1, sent): four calls
     # go to b before it ties a's 4 (each figure is a lower bound of the replica's load).
-    assert [send(router, replicas, stream())[0] for _ in range(4)] == ["b"] * 4
+    calls = [stream(prefill_pool="prefill") for _ in range(4)]
+    assert [send(router, replicas, call)[0] for call in calls] == ["b"] * 4
     assert router.in_flight.load("b") == (4, 0)
 
 
@@ -125,16 +129,20 @@ def test_completed_calls_stop_counting(router: KVAwareRouter) -> None:
     assert send(router, replicas, stream())[0] == "a"
 
 
-def test_prefill_calls_rank_by_the_prompt_tokens_in_flight(router: KVAwareRouter) -> None:
+def test_calls_rank_by_the_prompt_tokens_in_flight(router: KVAwareRouter) -> None:
     replicas = [replica("a", num_free_blocks=100), replica("b", num_free_blocks=90)]
     assert send(router, replicas, prefill(4000))[0] == "a"
     # `b` now has fewer queued tokens though it will hold more calls: tokens rank first.
     assert [send(router, replicas, prefill(100))[0] for _ in range(3)] == ["b", "b", "b"]
     assert router.in_flight.load("a") == (1, 4000)
     assert router.in_flight.load("b") == (3, 300)
-    # A stream ranks by sequences first: `a` holds one call against `b`'s three.
-    assert send(router, replicas, stream())[0] == "a"
-    assert router.in_flight.load("a") == (2, 4000)  # a stream's prompt is not prefill work
+    # A chat turn prefilled where it decodes (colocated) avoids the replica computing the
+    # 4k-token prompt, though that one holds fewer calls; its own prompt then counts there.
+    assert send(router, replicas, stream(64))[0] == "b"
+    assert router.in_flight.load("b") == (4, 364)
+    # A stream prefilled elsewhere adds a call, no prompt work.
+    assert send(router, replicas, stream(64, prefill_pool="prefill"))[0] == "b"
+    assert router.in_flight.load("b") == (5, 364)
 
 
 def test_exclusions_and_probes_still_hold(router: KVAwareRouter) -> None:
@@ -152,15 +160,16 @@ def test_exclusions_and_probes_still_hold(router: KVAwareRouter) -> None:
 def test_control_calls_are_not_load() -> None:
     assert call_cost(None) is None
     assert call_cost("stats") is None
-    assert call_cost(stream(10)) == (False, 0)
-    assert call_cost(prefill(10)) == (True, 10)
+    assert call_cost(stream(10)) == 10  # prefilled where it runs
+    assert call_cost(stream(10, prefill_pool="prefill")) == 0
+    assert call_cost(prefill(10)) == 10
 
 
 def test_replica_load_orders() -> None:
     stats = {"queued_tokens": 50, "num_sequences": 2, "num_free_blocks": 7}
-    assert replica_load(stats, (0, 0), prefill_call=True) == (50.0, 2.0, -7.0)
-    assert replica_load(stats, (5, 20), prefill_call=False) == (5.0, 50.0, -7.0)
-    assert replica_load({}, (1, 900), prefill_call=True) == (900.0, 1.0, -0.0)
+    assert replica_load(stats, (0, 0)) == (50.0, 2.0, -7.0)
+    assert replica_load(stats, (5, 20)) == (50.0, 5.0, -7.0)
+    assert replica_load({}, (1, 900)) == (900.0, 1.0, -0.0)
 
 
 def test_in_flight_ledger_is_exact_and_bounded() -> None:
