@@ -16,10 +16,9 @@ sent to it and not completed, and the prompt tokens they make it compute; counte
 ranking, as Serve may switch tasks before it sends). Replicas rank by queued prompt tokens
 first (a new call waits for them, and a stream there stalls while they are computed), then
 sequences (the batch a stream joins), then most free KV blocks. A prefill call's prompt
-counts until its hand-off; a stream's prompt counts when the replica prefills it itself
-(colocated, or served whole), for the stream's life: a replica with a 4k-token document in
-flight stays the worse place for a chat turn until that request ends, and with prompts of
-one size the order is by streams.
+counts until its hand-off; a stream's prompt, when the replica prefills it itself
+(colocated, or served whole), counts until the replica's reports can show it
+(`REPORT_LAG_S`), so a chat turn sent right after a 4k-token document does not join it.
 
 Remote-prefill calls carry hints (`PrefillRequest.exclude_replicas`, `probe_replica`): an
 excluded replica (its circuit breaker is open, or it just failed this request) is never
@@ -32,10 +31,11 @@ not even to accept, is still known) and every pool's replicas with their stats.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 from ray.serve._private.common import ReplicaID, RunningReplicaInfo
@@ -46,73 +46,98 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from decode import placement
 
 MAX_IN_FLIGHT = 100_000  # far above the calls one process has open; bounds a lost completion
-# A call counts on the replica ranked first for it from that moment: Serve switches tasks
-# between choosing and sending (a queue-length probe), and a burst routed meanwhile must see
-# it. Sending moves it to the replica Serve took; a call never sent stops counting after this.
-CHOSEN_TTL_S = 2.0
+# How long a replica's reports may lag behind a call (the stats period, 1 s, and Serve's
+# push). A call counts on the replica ranked first for it from that moment (Serve switches
+# tasks between choosing and sending, and a burst routed meanwhile must see it) until it is
+# sent, or for this long if it never is; a stream's prompt, prefilled where it runs, counts
+# for this long after the send, after which the replica's own `queued_tokens` show it.
+REPORT_LAG_S = 2.0
 
 
 class InFlight:
-    """Calls this router chose or sent that Serve has not completed, per replica: how many,
-    and the prompt tokens of the prefill calls among them. Serve reports every sent call's
-    end exactly once (`on_request_completed`), whether it finished, failed, was rejected or
-    cancelled; should one go missing, the oldest entries beyond `max_entries` are dropped."""
+    """What this router chose or sent that Serve has not completed, per replica: calls, and
+    the prompt tokens they make the replica compute (module docstring). Serve reports each
+    send's end exactly once (`on_request_completed`, with the replica it went to), whether
+    it finished, failed, was rejected or cancelled; a retried call is a second send of the
+    same id, to the same replica or another. Should an end go missing, sends beyond
+    `max_entries` drop oldest first."""
 
-    def __init__(self, max_entries: int = MAX_IN_FLIGHT, chosen_ttl_s: float = CHOSEN_TTL_S):
-        self._max_entries, self._chosen_ttl_s = max_entries, chosen_ttl_s
+    def __init__(self, max_entries: int = MAX_IN_FLIGHT, report_lag_s: float = REPORT_LAG_S):
+        self._max_entries, self._lag_s = max_entries, report_lag_s
         self._lock = threading.Lock()
-        # call id -> (replica, prompt tokens, monotonic time chosen; None once sent)
-        self._calls: OrderedDict[str, tuple[str, int, float | None]] = OrderedDict()
-        self._chosen: OrderedDict[str, float] = OrderedDict()  # not yet sent, oldest first
+        self._serials = itertools.count()
+        self._chosen: OrderedDict[str, tuple[str, int, float]] = (
+            OrderedDict()
+        )  # call -> replica, tokens, when
+        self._sends: OrderedDict[int, tuple[str, str, int]] = (
+            OrderedDict()
+        )  # serial -> call, replica, tokens
+        self._by_call: dict[tuple[str, str], deque[int]] = {}  # (call, replica) -> serials
+        self._prompts: deque[tuple[float, int]] = deque()  # (until, serial) of streams' prompts
         self._load: dict[str, list[int]] = {}  # replica -> [calls, prompt tokens]
 
     def chosen(self, call_id: str, replica: str, prompt_tokens: int) -> None:
         """`replica` was ranked first for the call (Serve usually takes it)."""
         with self._lock:
-            if call_id in self._calls and self._calls[call_id][2] is None:
-                return  # already sent (a retry ranks again): the send counts
-            self._add(call_id, replica, prompt_tokens, time.monotonic())
+            self._unchoose(call_id)
+            self._chosen[call_id] = (replica, prompt_tokens, time.monotonic())
+            self._count(replica, 1, prompt_tokens)
 
-    def sent(self, call_id: str, replica: str, prompt_tokens: int) -> None:
-        """Serve is sending the call to `replica`."""
+    def sent(self, call_id: str, replica: str, prompt_tokens: int, until_done: bool) -> None:
+        """Serve is sending the call to `replica`; its prompt tokens count until it completes
+        (`until_done`: a prefill call) or for `report_lag_s` (a stream)."""
         with self._lock:
-            self._add(call_id, replica, prompt_tokens, None)
+            self._unchoose(call_id)
+            serial = next(self._serials)
+            self._sends[serial] = (call_id, replica, prompt_tokens)
+            self._by_call.setdefault((call_id, replica), deque()).append(serial)
+            self._count(replica, 1, prompt_tokens)
+            if prompt_tokens and not until_done:
+                self._prompts.append((time.monotonic() + self._lag_s, serial))
+            while len(self._sends) > self._max_entries:
+                self._drop_send(next(iter(self._sends)))
 
-    def completed(self, call_id: str) -> None:
+    def completed(self, call_id: str, replica: str) -> None:
+        """One send of the call to `replica` ended."""
         with self._lock:
-            self._drop(call_id)
+            serials = self._by_call.get((call_id, replica))
+            if serials:
+                self._drop_send(serials[0])
+            else:
+                self._unchoose(call_id)
 
     def load(self, replica: str) -> tuple[int, int]:
-        """(calls, prompt tokens of prefill calls) chosen for or in flight to `replica`."""
+        """(calls, prompt tokens) chosen for or in flight to `replica`."""
         with self._lock:
-            expired = time.monotonic() - self._chosen_ttl_s
-            while self._chosen and next(iter(self._chosen.values())) < expired:
-                self._drop(next(iter(self._chosen)))
+            now = time.monotonic()
+            while self._chosen and next(iter(self._chosen.values()))[2] < now - self._lag_s:
+                self._unchoose(next(iter(self._chosen)))
+            while self._prompts and self._prompts[0][0] <= now:
+                serial = self._prompts.popleft()[1]
+                if (entry := self._sends.get(serial)) is not None:
+                    self._sends[serial] = (entry[0], entry[1], 0)
+                    self._count(entry[1], 0, -entry[2])
             calls, tokens = self._load.get(replica, (0, 0))
             return calls, tokens
 
-    def _add(self, call_id: str, replica: str, prompt_tokens: int, at: float | None) -> None:
-        self._drop(call_id)
-        self._calls[call_id] = (replica, prompt_tokens, at)
-        if at is not None:
-            self._chosen[call_id] = at
+    def _count(self, replica: str, calls: int, tokens: int) -> None:
         load = self._load.setdefault(replica, [0, 0])
-        load[0] += 1
-        load[1] += prompt_tokens
-        while len(self._calls) > self._max_entries:
-            self._drop(next(iter(self._calls)))
-
-    def _drop(self, call_id: str) -> None:
-        entry = self._calls.pop(call_id, None)
-        self._chosen.pop(call_id, None)
-        if entry is None:
-            return
-        replica, tokens, _ = entry
-        load = self._load[replica]
-        load[0] -= 1
-        load[1] -= tokens
+        load[0] += calls
+        load[1] += tokens
         if load[0] <= 0:
             del self._load[replica]
+
+    def _unchoose(self, call_id: str) -> None:
+        if (entry := self._chosen.pop(call_id, None)) is not None:
+            self._count(entry[0], -1, -entry[1])
+
+    def _drop_send(self, serial: int) -> None:
+        call_id, replica, tokens = self._sends.pop(serial)
+        serials = self._by_call[(call_id, replica)]
+        serials.remove(serial)
+        if not serials:
+            del self._by_call[(call_id, replica)]
+        self._count(replica, -1, -tokens)
 
 
 def replica_load(stats: dict, in_flight: tuple[int, int]) -> tuple[float, float, float]:
@@ -124,15 +149,19 @@ def replica_load(stats: dict, in_flight: tuple[int, int]) -> tuple[float, float,
     return tokens, sequences, -float(stats.get("num_free_blocks", 0) or 0)
 
 
-def call_cost(first_arg: Any) -> int | None:
-    """The prompt tokens a call makes its replica compute: a prefill call's, and a stream's
-    that the replica prefills itself (`prefill_pool` None: colocated, a short prompt, or a
-    request served whole); 0 for a stream prefilled elsewhere. None for control calls
-    (stats, drain): only calls whose first argument describes a request are load."""
+def call_cost(first_arg: Any) -> tuple[int, bool] | None:
+    """(prompt tokens the call makes its replica compute, whether they count until the call
+    completes). A prefill call's count until it completes (the hand-off follows the prompt);
+    a stream's, when the replica prefills it itself (`prefill_pool` None: colocated, a short
+    prompt, or a request served whole), for `REPORT_LAG_S`; a stream prefilled elsewhere
+    brings none. None for control calls (stats, drain): only calls whose first argument
+    describes a request are load."""
     prompt = getattr(first_arg, "prompt_token_ids", None)
     if prompt is None:
         return None
-    return len(prompt) if getattr(first_arg, "prefill_pool", None) is None else 0
+    if hasattr(first_arg, "exclude_replicas"):  # a PrefillRequest
+        return len(prompt), True
+    return (len(prompt) if getattr(first_arg, "prefill_pool", None) is None else 0), False
 
 
 def replica_name(replica: RunningReplica) -> str:
@@ -159,9 +188,9 @@ class _TrackedReplica(RunningReplica):
 
     def try_send_request(self, pr: PendingRequest, with_rejection: bool) -> Any:
         first: Any = pr.args[0] if pr.args else None
-        cost = call_cost(first)
-        if cost is not None:
-            self.in_flight.sent(pr.metadata.internal_request_id, self.replica_id.unique_id, cost)
+        if (cost := call_cost(first)) is not None:
+            call_id, replica = pr.metadata.internal_request_id, self.replica_id.unique_id
+            self.in_flight.sent(call_id, replica, *cost)
         if hasattr(first, "exclude_replicas"):  # a PrefillRequest
             placement.placements.record(first.request_id, replica_name(self))
         return super().try_send_request(pr, with_rejection)
@@ -185,7 +214,7 @@ class KVAwareRouter(RequestRouter):
         return replica
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.in_flight.completed(internal_request_id)
+        self.in_flight.completed(internal_request_id, replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -215,7 +244,7 @@ class KVAwareRouter(RequestRouter):
         cost = call_cost(first_arg)
         if ranks and cost is not None and pending_request is not None:
             call_id = pending_request.metadata.internal_request_id
-            self.in_flight.chosen(call_id, ranks[0][0].replica_id.unique_id, cost)
+            self.in_flight.chosen(call_id, ranks[0][0].replica_id.unique_id, cost[0])
         if without:
             ranks.append(without)
         return ranks

@@ -63,7 +63,7 @@ def send(router: KVAwareRouter, replicas: list[Any], call: Any) -> tuple[str, st
     call_id = request.metadata.internal_request_id
     cost = call_cost(call)
     assert cost is not None
-    router.in_flight.sent(call_id, chosen.replica_id.unique_id, cost)
+    router.in_flight.sent(call_id, chosen.replica_id.unique_id, *cost)
     return chosen.routing_stats["replica"], call_id
 
 
@@ -78,19 +78,24 @@ def test_calls_count_from_the_moment_they_are_ranked(router: KVAwareRouter) -> N
     ]
     assert Counter(firsts) == {"a": 2, "b": 2}
     # Serve sends the first to `b` after all (a's queue was full): it moves, not doubles.
-    router.in_flight.sent(requests[0].metadata.internal_request_id, "b", 64)
+    first = requests[0].metadata.internal_request_id
+    router.in_flight.sent(first, "b", 64, False)
     assert router.in_flight.load("a") == (1, 64) and router.in_flight.load("b") == (3, 192)
-    # Ranking a sent call again (Serve's retry) leaves it where it was sent.
-    router.in_flight.chosen(requests[0].metadata.internal_request_id, "a", 64)
-    assert router.in_flight.load("b") == (3, 192)
+    # Rejected there, Serve ranks the same call again: the retry's choice counts at once,
+    # and the first send stops counting when Serve ends it, not before.
+    router.in_flight.chosen(first, "a", 64)
+    assert router.in_flight.load("a") == (2, 128) and router.in_flight.load("b") == (3, 192)
+    router.on_request_completed(SimpleNamespace(unique_id="b"), first)  # type: ignore[arg-type]
+    assert router.in_flight.load("a") == (2, 128) and router.in_flight.load("b") == (2, 128)
 
 
-def test_a_call_ranked_but_never_sent_stops_counting() -> None:
-    ledger = InFlight(chosen_ttl_s=0.0)
-    ledger.chosen("x", "a", 7)
-    ledger.sent("y", "a", 1)
+def test_what_the_reports_show_by_now_stops_counting() -> None:
+    ledger = InFlight(report_lag_s=0.0)
+    ledger.chosen("x", "a", 7)  # ranked, then cancelled while routing: never sent
+    ledger.sent("y", "a", 100, until_done=True)  # a prefill call: until its hand-off
+    ledger.sent("z", "a", 50, until_done=False)  # a stream: its prompt until reports show it
     time.sleep(0.01)
-    assert ledger.load("a") == (1, 1)  # x expired (cancelled while routing); y was sent
+    assert ledger.load("a") == (2, 100)
 
 
 def test_a_burst_of_streams_spreads_over_replicas_whatever_the_last_report_said(
@@ -152,7 +157,7 @@ def test_exclusions_and_probes_still_hold(router: KVAwareRouter) -> None:
     )
     assert [[r.routing_stats["replica"] for r in rank] for rank in ranks] == [["b"]]
     call = prefill(8, probe_replica="b")
-    router.in_flight.sent("busy", "b", 10_000)
+    router.in_flight.sent("busy", "b", 10_000, True)
     ranks = asyncio.run(router.choose_replicas(replicas, pending(call)))
     assert [r.routing_stats["replica"] for rank in ranks for r in rank] == ["b", "a"]
 
@@ -160,9 +165,9 @@ def test_exclusions_and_probes_still_hold(router: KVAwareRouter) -> None:
 def test_control_calls_are_not_load() -> None:
     assert call_cost(None) is None
     assert call_cost("stats") is None
-    assert call_cost(stream(10)) == 10  # prefilled where it runs
-    assert call_cost(stream(10, prefill_pool="prefill")) == 0
-    assert call_cost(prefill(10)) == 10
+    assert call_cost(stream(10)) == (10, False)  # prefilled where it runs
+    assert call_cost(stream(10, prefill_pool="prefill")) == (0, False)
+    assert call_cost(prefill(10)) == (10, True)
 
 
 def test_replica_load_orders() -> None:
@@ -174,13 +179,20 @@ def test_replica_load_orders() -> None:
 
 def test_in_flight_ledger_is_exact_and_bounded() -> None:
     ledger = InFlight(max_entries=3)
-    ledger.sent("x", "a", 5)
-    ledger.sent("x", "a", 5)  # the same call again (a retry of the send) counts once
+    ledger.sent("x", "a", 5, True)
+    ledger.sent("x", "a", 5, True)  # rejected, then sent to the same replica again
+    assert ledger.load("a") == (2, 10)
+    ledger.completed("never-sent", "a")
+    ledger.completed("x", "a")
     assert ledger.load("a") == (1, 5)
-    ledger.completed("never-sent")
-    ledger.completed("x")
-    ledger.completed("x")
+    ledger.completed("x", "a")
     assert ledger.load("a") == (0, 0)
+    # Rejected by `a`, sent to `b`; `a`'s end arrives after: `b`'s send still counts.
+    ledger.sent("y", "a", 5, True)
+    ledger.sent("y", "b", 5, True)
+    ledger.completed("y", "a")
+    assert ledger.load("a") == (0, 0) and ledger.load("b") == (1, 5)
+    ledger.completed("y", "b")
     for i in range(5):
-        ledger.sent(f"c{i}", "b", 1)
+        ledger.sent(f"c{i}", "b", 1, True)
     assert ledger.load("b") == (3, 3)  # the two oldest dropped: a lost completion cannot leak
