@@ -335,6 +335,8 @@ class Frontend:
         self.routing.record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         tasks, timer = self._start(prepared, queue)
+        # Where the prompt computes, until its first output (decode overflow's figure).
+        computing: tuple[str, int] | None = self._prompt_started(prepared)
         started = False  # a delta was passed on: too late to move to the fallback pool
         try:
             remaining = prepared.n
@@ -355,6 +357,8 @@ class Frontend:
                         # fallback pool, on a fresh queue (the old one may get late items).
                         cancel_choices(tasks, timer)
                         self.overflow.ended(prepared.route.decode_pool, prepared.n)
+                        self._prompt_computed(computing)
+                        computing = None
                         prepared = fallback
                         recorder.labels.update(
                             prefill_pool="local", decode_pool=fallback.route.decode_pool
@@ -362,10 +366,13 @@ class Frontend:
                         self.routing.record(prepared)
                         queue = asyncio.Queue()
                         tasks, timer = self._start(prepared, queue)
+                        computing = self._prompt_started(prepared)
                         remaining = prepared.n
                         break  # what else was ready came from the old pool
                     else:
                         started = True
+                        self._prompt_computed(computing)
+                        computing = None
                         admitted.on_output(len(item[1].new_token_ids))
                         recorder.on_delta(*item)
                         telemetry.on_delta(*item)
@@ -386,6 +393,7 @@ class Frontend:
                 tasks, timer
             )  # a client that went away cancels every choice on both pools
             self.overflow.ended(prepared.route.decode_pool, prepared.n)
+            self._prompt_computed(computing)
             self.in_flight[prepared.tenant] -= 1
             admitted.release()
 
@@ -400,6 +408,20 @@ class Frontend:
         ]
         self.overflow.started(prepared.route.decode_pool, prepared.n)  # `run_batches` ends it
         return tasks, self.overload.deadline_timer(prepared.deadline, queue)
+
+    def _prompt_started(self, prepared: PreparedRequest) -> tuple[str, int]:
+        """Tell decode overflow where the request's prompt computes, and how long it is."""
+        route = prepared.route
+        pool = route.decode_pool if route.local_prefill else route.prefill_pool
+        computing = (pool or route.decode_pool, len(prepared.prompt_token_ids))
+        self.overflow.prompt_started(*computing)
+        return computing
+
+    def _prompt_computed(self, computing: tuple[str, int] | None) -> None:
+        """Its first output came back, or it ended or moved to the fallback pool."""
+        if computing is not None:
+            self.overflow.prompt_computed(*computing)
+        return None
 
     def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:
         """Start the request's metrics (labels: tenant, class, pools; its class's targets)."""

@@ -256,3 +256,12 @@ class AdaptivePrefillSettings(_Strict):
         "a pool busy with prompts (the prefill-bound case, where disaggregation pays) keeps "
         "to them.",
     )
+    decode_overflow_max_prompt_tokens: int = Field(
+        default=256,
+        ge=0,
+        description="A prefill replica takes no whole request while more than this many "
+        "prompt tokens compute there (sent by this ingress and not yet answered, or reported "
+        "queued): the new stream would wait for them and then stall at each of their chunks. "
+        "The default lets a few chat turns share the replica and keeps whole requests off it "
+        "while a long document is prefilled (`app/admission/overflow.py`).",
+    )

@@ -24,6 +24,17 @@ replica busier with prompts than `adaptive_prefill.decode_overflow_max_prompt_bu
 none: its streams' TPOT would more than double (the prefill-bound case, long-context load,
 where disaggregation pays and overflow would undo it; BENCHMARKS.md).
 
+That share is an average; what a new stream meets is the prompt being computed now. A whole
+request that lands while a long prompt computes waits for it (TTFT) and then stalls at every
+chunk of it (TPOT): in the multi-tenant runs, 36 of 77 interactive requests served whole
+while a batch document's prompt computed on the prefill replica missed their SLO, against 0
+of 157 when none did and 9 of 136 placed on the decode replica at such moments
+(BENCHMARKS.md). So a pool also takes none while more than
+`adaptive_prefill.decode_overflow_max_prompt_tokens` prompt tokens compute there per replica:
+the ones this ingress sent (from the send until the request's first output comes back, which
+is exact and immediate) or, for each replica, the ones it reports queued (other ingress
+replicas' too, a stats period late).
+
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
 up to a stats period; the sequences this ingress replica sent to a pool since its snapshot
@@ -109,6 +120,8 @@ class DecodeOverflow:
         self._serving: list[PoolConfig] = [p for p in config.pools if p.serves_decode]
         self._sent = SentSince()
         self._running: Counter[str] = Counter()  # pool -> this replica's sequences there
+        self._max_prompt_tokens = config.adaptive_prefill.decode_overflow_max_prompt_tokens
+        self._prompts: Counter[str] = Counter()  # pool -> prompt tokens computing there
 
     def started(self, pool: str, num_sequences: int) -> None:
         """The ingress started `num_sequences` streams on `pool` (its decode pool, or the
@@ -122,6 +135,19 @@ class DecodeOverflow:
     def running(self, pool: str) -> int:
         """The streams this ingress replica has running on `pool` now."""
         return self._running[pool]
+
+    def prompt_started(self, pool: str, num_prompt_tokens: int) -> None:
+        """The ingress sent a request whose prompt computes on `pool` (its prefill pool, or
+        the pool that prefills it locally); `prompt_computed` follows exactly once."""
+        self._prompts[pool] += num_prompt_tokens
+
+    def prompt_computed(self, pool: str, num_prompt_tokens: int) -> None:
+        """That request's first output came back, or it ended without one."""
+        self._prompts[pool] = max(0, self._prompts[pool] - num_prompt_tokens)
+
+    def computing(self, pool: str) -> int:
+        """The prompt tokens this ingress replica's requests are computing on `pool` now."""
+        return self._prompts[pool]
 
     @property
     def enabled(self) -> bool:
@@ -151,7 +177,7 @@ class DecodeOverflow:
                 low, high = pool.context_range
                 seen = self._fresh(pool.name, now)
                 if pool.name in allowed and low <= num_prompt_tokens <= high and seen:
-                    candidates[pool.name] = self._least(pool.name, seen, self._max_prompt_busy)
+                    candidates[pool.name] = self._least(pool.name, seen, candidate=True)
             choice = choose_overflow(decode, candidates, self._gap)
         reason = f"{route.reason}; {choice.reason}"
         if choice.pool is None:
@@ -172,20 +198,27 @@ class DecodeOverflow:
         reporting = any(s.get("num_sequences") is not None for s in snapshot.replicas.values())
         return snapshot if reporting else None
 
-    def _least(
-        self, pool: str, snapshot: PoolSnapshot, max_prompt_busy: float | None = None
-    ) -> float | None:
+    def _least(self, pool: str, snapshot: PoolSnapshot, candidate: bool = False) -> float | None:
         """The decode load of the pool's least loaded replica, counting the sequences this
         ingress sent since the snapshot, and at least those it has running there (both
-        spread over its replicas). With `max_prompt_busy`, only replicas at most that busy
-        with prompts count (None when none is)."""
+        spread over its replicas). As an overflow `candidate`, only replicas at most
+        `decode_overflow_max_prompt_busy` busy with prompts and with at most
+        `decode_overflow_max_prompt_tokens` computing count (None when none does)."""
         stats = [s for s in snapshot.replicas.values() if s.get("num_sequences") is not None]
-        if max_prompt_busy is not None:
-            stats = [s for s in stats if float(s.get("prompt_busy", 0.0)) <= max_prompt_busy]
+        num_replicas = len(snapshot.replicas)
+        if candidate:
+            if self.computing(pool) / num_replicas > self._max_prompt_tokens:
+                return None
+            stats = [
+                s
+                for s in stats
+                if float(s.get("prompt_busy", 0.0)) <= self._max_prompt_busy
+                and float(s.get("queued_tokens", 0) or 0) <= self._max_prompt_tokens
+            ]
         if not stats:
             return None
-        extra = self._sent.since(pool, snapshot.updated_at) / len(snapshot.replicas)
-        running = self.running(pool) / len(snapshot.replicas)
+        extra = self._sent.since(pool, snapshot.updated_at) / num_replicas
+        running = self.running(pool) / num_replicas
         return min(
             decode_load(
                 max(float(s["num_sequences"]) + extra, running), float(s.get("prompt_busy", 0.0))

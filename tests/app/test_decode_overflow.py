@@ -94,8 +94,13 @@ class Loads:
         self.view = PoolView()
         self.age = 0.0
 
-    def publish(self, pool: str, *sequences: int, prompt_busy: float = 0.0) -> None:
-        stats = [{"num_sequences": n, "prompt_busy": prompt_busy} for n in sequences]
+    def publish(
+        self, pool: str, *sequences: int, prompt_busy: float = 0.0, queued_tokens: int = 0
+    ) -> None:
+        stats = [
+            {"num_sequences": n, "prompt_busy": prompt_busy, "queued_tokens": queued_tokens}
+            for n in sequences
+        ]
         self.view.update(pool, [(f"{pool}-{i}", s) for i, s in enumerate(stats)])
 
     def overflow(self, cfg: PDServeConfig | None = None) -> DecodeOverflow:
@@ -166,6 +171,53 @@ def test_a_prefill_replica_busy_with_prompts_keeps_to_them() -> None:
     )
     route = loads.overflow().apply(LOCAL, 40, "")
     assert route.decode_pool == "prefill" and "4.4 on prefill" in route.reason  # 4 / 0.9
+
+
+def test_no_whole_request_while_a_long_prompt_computes_there() -> None:
+    """A whole request landing while a long prompt computes would wait for it and stall at
+    its chunks: over `decode_overflow_max_prompt_tokens` (256) computing per replica, sent by
+    this ingress (until the first output) or reported queued, the pool takes none."""
+    loads = Loads()
+    loads.publish("decode", 6)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow()
+    overflow.prompt_started("prefill", 2048)  # a document this ingress sent to be prefilled
+    route = overflow.apply(LOCAL, 40, "")
+    assert route.decode_pool == "decode"
+    assert route.reason.endswith("prefill pools prefill busy with prompts: route stands")
+    overflow.prompt_computed("prefill", 2048)  # its first token came back
+    overflow.prompt_started("prefill", 256)  # chat turns up to the limit share the replica
+    assert overflow.computing("prefill") == 256
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    overflow.prompt_computed("prefill", 256)
+    overflow.prompt_computed("prefill", 256)  # more than was started never goes below zero
+    assert overflow.computing("prefill") == 0
+    loads.publish("decode", 6)
+    loads.publish("prefill", 0, queued_tokens=300)  # another ingress's document, reported
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+    loads.view.update(
+        "prefill",
+        [
+            ("prefill-0", {"num_sequences": 0, "prompt_busy": 0.0, "queued_tokens": 4000}),
+            ("prefill-1", {"num_sequences": 2, "prompt_busy": 0.0, "queued_tokens": 0}),
+        ],
+    )
+    route = overflow.apply(LOCAL, 40, "")  # the free replica counts, at its load of 3
+    assert route.decode_pool == "prefill" and "3.0 on prefill" in route.reason
+    overflow.prompt_started("prefill", 600)  # 300 per replica: over the limit
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+
+
+def test_the_prompt_token_limit_is_configurable() -> None:
+    loads = Loads()
+    loads.publish("decode", 6)
+    loads.publish("prefill", 0)
+    cfg = config(adaptive_prefill={"decode_overflow_max_prompt_tokens": 4096})
+    overflow = loads.overflow(cfg)
+    overflow.prompt_started("prefill", 4000)
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    with pytest.raises(ValidationError, match="decode_overflow_max_prompt_tokens"):
+        config(adaptive_prefill={"decode_overflow_max_prompt_tokens": -1})
 
 
 def test_time_spent_on_prompts_weighs_on_either_side() -> None:

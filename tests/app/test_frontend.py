@@ -24,18 +24,29 @@ from engine.request import InvalidRequestError, SamplingParams
 
 
 class _Stream:
-    """A decode stream: one delta, then `error`."""
+    """A decode stream: `num_deltas` deltas (one by default), then `error`."""
 
-    def __init__(self, spec: GenerationSpec, error: BaseException) -> None:
+    def __init__(
+        self,
+        spec: GenerationSpec,
+        error: BaseException,
+        num_deltas: int = 1,
+        gate: asyncio.Event | None = None,
+    ) -> None:
         self.spec = spec
         self.error = error
+        self.num_deltas = num_deltas
+        self.gate = gate  # set: the stream goes on (None: at once)
         self.cancelled = False
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._deltas()
 
     async def _deltas(self) -> AsyncIterator[RequestOutput]:
-        yield RequestOutput(self.spec.request_id, [5], "x", [], False, None, 3, 1)
+        if self.gate is not None:
+            await self.gate.wait()
+        for _ in range(self.num_deltas):
+            yield RequestOutput(self.spec.request_id, [5], "x", [], False, None, 3, 1)
         raise self.error
 
     def cancel(self) -> None:
@@ -45,15 +56,19 @@ class _Stream:
 class _DyingDecodePool:
     """Stands in for a decode pool's DeploymentHandle whose replica fails mid-stream."""
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(
+        self, error: BaseException, num_deltas: int = 1, gate: asyncio.Event | None = None
+    ) -> None:
         self.error = error
+        self.num_deltas = num_deltas
+        self.gate = gate
         self.generate = self
 
     def options(self, stream: bool) -> _DyingDecodePool:
         return self
 
     def remote(self, spec: GenerationSpec) -> _Stream:
-        return _Stream(spec, self.error)
+        return _Stream(spec, self.error, self.num_deltas, self.gate)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +76,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_builtin_model(tmp_path_factory.mktemp("models") / "tiny", "tiny")
 
 
-def frontend(model_dir: Path, error: BaseException) -> Frontend:
+def frontend(
+    model_dir: Path, error: BaseException, num_deltas: int = 1, gate: asyncio.Event | None = None
+) -> Frontend:
     config = load_config(
         {
             "model": {"model": str(model_dir)},
@@ -71,7 +88,12 @@ def frontend(model_dir: Path, error: BaseException) -> Frontend:
             ],
         }
     )
-    return Frontend(config, {"decode": _DyingDecodePool(error)})
+    return Frontend(config, {"decode": _DyingDecodePool(error, num_deltas, gate)})
+
+
+def computing(front: Frontend) -> int:
+    """The prompt tokens decode overflow counts as computing, over both pools."""
+    return sum(front.overflow.computing(pool) for pool in ("prefill", "decode"))
 
 
 async def run_to_error(front: Frontend) -> tuple[list[str], BaseException]:
@@ -80,10 +102,34 @@ async def run_to_error(front: Frontend) -> tuple[list[str], BaseException]:
     texts: list[str] = []
     with pytest.raises(Exception) as info:
         async for _, delta in front.run(prepared):
+            assert computing(front) == 0  # the first output ended the prompt's computing
             texts.append(delta.new_text)
     assert front.in_flight[prepared.tenant] == 0
     assert front.overflow.running("decode") == 0  # the stream ended: decode overflow forgets it
+    assert computing(front) == 0
     return texts, info.value
+
+
+def test_a_prompt_computes_until_its_first_output_or_its_end(model_dir: Path) -> None:
+    """Decode overflow counts a request's prompt tokens where they compute, from the send
+    to the first output, and forgets them when the request fails before any."""
+
+    async def run() -> None:
+        gate = asyncio.Event()
+        error = RequestFailedError("failed in the engine")
+        front = frontend(model_dir, error, num_deltas=0, gate=gate)
+        prompt_ids = await front.tokenize_prompt("hello")
+        prepared = front.prepare(None, prompt_ids, SamplingParams(max_tokens=4))
+        first = asyncio.ensure_future(front.run(prepared).__anext__())
+        for _ in range(10):  # until the stream was sent and waits at the gate
+            await asyncio.sleep(0)
+        assert computing(front) == len(prompt_ids)
+        gate.set()
+        with pytest.raises(InternalServerError, match="generation failed for this request"):
+            await first
+        assert computing(front) == 0
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(
