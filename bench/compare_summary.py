@@ -201,6 +201,7 @@ def plot(summaries: Sequence[Mapping[str, Any]], path: Path) -> str:
         names += [n for n in s["configs"] if n not in names]
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(shown)), 4))
     width = 0.8 / max(len(names), 1)
+    labelled: set[str] = set()  # each config in the legend once, wherever it first appears
     for w, s in enumerate(shown):
         base = s["goodput"][s["configs"][-1]]["mean"]
         for c, name in enumerate(names):
@@ -208,7 +209,8 @@ def plot(summaries: Sequence[Mapping[str, Any]], path: Path) -> str:
                 continue
             g = s["goodput"][name]
             x = w + (c - (len(names) - 1) / 2) * width
-            label = name if w == 0 else None
+            label = None if name in labelled else name
+            labelled.add(name)
             ax.bar(x, g["mean"] / base, width, color=f"C{c}", alpha=0.6, label=label)
             ax.plot([x] * len(g["per_run"]), [v / base for v in g["per_run"]], "k.", ms=4)
     ax.axhline(1.0, color="grey", lw=1, ls="--")

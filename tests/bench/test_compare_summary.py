@@ -85,3 +85,25 @@ def test_partial_file_uses_seeds_every_config_finished_and_shows_searches(
     assert "| mixed (`small`, partial) | compare-mixed.json | 1 (in progress) | `c`" in printed
     assert "| 1 (finished, unpaired) | `a` | 2.000, bracket [2, 4] |" in printed
     assert plot.stat().st_size > 0
+
+
+def test_plot_legend_names_every_config_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config that first appears in a later workload (another file's configs) still gets
+    its legend entry, and no config gets two."""
+    from matplotlib.figure import Figure
+
+    first = compare_summary.summarize(_document(), num_resamples=50)
+    other = _document()
+    other["settings"]["configs"] = "x,c"
+    other["runs"] = {"x": other["runs"]["a"], "c": other["runs"]["c"]}
+    second = compare_summary.summarize(other, num_resamples=50)
+    legends: list[list[str]] = []
+
+    def save(figure: Figure, *args: Any, **kwargs: Any) -> None:
+        legends.append([t.get_text() for ax in figure.axes for t in ax.get_legend().get_texts()])
+
+    monkeypatch.setattr(Figure, "savefig", save)
+    compare_summary.plot([first, second], tmp_path / "summary.png")
+    assert legends == [["a", "d", "c", "x"]]
