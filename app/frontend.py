@@ -334,9 +334,10 @@ class Frontend:
         self.in_flight[prepared.tenant] += 1
         self.routing.record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-        tasks, timer = self._start(prepared, queue)
-        # Where the prompt computes, until its first output (decode overflow's figure).
-        computing: tuple[str, int] | None = self._prompt_started(prepared)
+        # `computing`: where the prompt computes and its length, until its first output
+        # (decode overflow's figure; None once reported computed).
+        computing: tuple[str, int] | None
+        tasks, timer, computing = self._start(prepared, queue)
         started = False  # a delta was passed on: too late to move to the fallback pool
         try:
             remaining = prepared.n
@@ -365,8 +366,7 @@ class Frontend:
                         )
                         self.routing.record(prepared)
                         queue = asyncio.Queue()
-                        tasks, timer = self._start(prepared, queue)
-                        computing = self._prompt_started(prepared)
+                        tasks, timer, computing = self._start(prepared, queue)
                         remaining = prepared.n
                         break  # what else was ready came from the old pool
                     else:
@@ -399,29 +399,25 @@ class Frontend:
 
     def _start(
         self, prepared: PreparedRequest, queue: asyncio.Queue
-    ) -> tuple[list[asyncio.Task[None]], asyncio.TimerHandle | None]:
+    ) -> tuple[list[asyncio.Task[None]], asyncio.TimerHandle | None, tuple[str, int]]:
         """Start every choice's stream into `queue`; at the deadline a 504 error joins it
-        (the caller then cancels every choice)."""
-        handle = self.decode_handles[prepared.route.decode_pool]
+        (the caller then cancels every choice). Tells decode overflow of the streams and of
+        the prompt (returned: the pool it computes on, its length); `run_batches` ends both."""
+        route = prepared.route
+        handle = self.decode_handles[route.decode_pool]
         tasks = [
             asyncio.create_task(pump_choice(handle, prepared, i, queue)) for i in range(prepared.n)
         ]
-        self.overflow.started(prepared.route.decode_pool, prepared.n)  # `run_batches` ends it
-        return tasks, self.overload.deadline_timer(prepared.deadline, queue)
-
-    def _prompt_started(self, prepared: PreparedRequest) -> tuple[str, int]:
-        """Tell decode overflow where the request's prompt computes, and how long it is."""
-        route = prepared.route
+        self.overflow.started(route.decode_pool, prepared.n)
         pool = route.decode_pool if route.local_prefill else route.prefill_pool
         computing = (pool or route.decode_pool, len(prepared.prompt_token_ids))
         self.overflow.prompt_started(*computing)
-        return computing
+        return tasks, self.overload.deadline_timer(prepared.deadline, queue), computing
 
     def _prompt_computed(self, computing: tuple[str, int] | None) -> None:
         """Its first output came back, or it ended or moved to the fallback pool."""
         if computing is not None:
             self.overflow.prompt_computed(*computing)
-        return None
 
     def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:
         """Start the request's metrics (labels: tenant, class, pools; its class's targets)."""

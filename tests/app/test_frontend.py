@@ -121,7 +121,9 @@ def test_a_prompt_computes_until_its_first_output_or_its_end(model_dir: Path) ->
         prompt_ids = await front.tokenize_prompt("hello")
         prepared = front.prepare(None, prompt_ids, SamplingParams(max_tokens=4))
         first = asyncio.ensure_future(front.run(prepared).__anext__())
-        for _ in range(10):  # until the stream was sent and waits at the gate
+        for _ in range(100):  # until the stream was sent (it then waits at the gate)
+            if computing(front):
+                break
             await asyncio.sleep(0)
         assert computing(front) == len(prompt_ids)
         gate.set()
