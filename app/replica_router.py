@@ -144,9 +144,9 @@ def replica_load(stats: dict, in_flight: tuple[int, int]) -> tuple[float, float,
     """Sort key (module docstring): queued prompt tokens, then sequences, then most free KV
     blocks; each figure at least what this router has in flight there."""
     calls, prompt_tokens = in_flight
-    tokens = max(float(stats.get("queued_tokens", 0) or 0), float(prompt_tokens))
-    sequences = max(float(stats.get("num_sequences", 0) or 0), float(calls))
-    return tokens, sequences, -float(stats.get("num_free_blocks", 0) or 0)
+    tokens = max(placement.figure(stats, "queued_tokens"), float(prompt_tokens))
+    sequences = max(placement.figure(stats, "num_sequences"), float(calls))
+    return tokens, sequences, -placement.figure(stats, "num_free_blocks")
 
 
 def call_cost(first_arg: Any) -> tuple[int, bool] | None:

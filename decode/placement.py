@@ -29,6 +29,12 @@ from typing import Any
 MAX_ENTRIES = 10_000  # far above the calls in flight in one decode replica
 
 
+def figure(stats: Mapping[str, Any], name: str) -> float:
+    """A replica's reported figure `name` from its routing stats; 0 when missing or null
+    (a replica that has not measured it yet, or an older one that does not report it)."""
+    return float(stats.get(name) or 0)
+
+
 class PlacementLog:
     """request id -> replica name, the most recent `MAX_ENTRIES` calls."""
 

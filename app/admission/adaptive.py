@@ -37,7 +37,7 @@ from typing import Any
 from app.admission.config import AdaptivePrefillSettings
 from app.admission.shedding import ReplicaLoad, predict_ttft_s
 from app.router import RouteDecision
-from decode.placement import PoolSnapshot
+from decode.placement import PoolSnapshot, figure
 
 MAX_SENT_ENTRIES = 4096  # per pool; far above the requests of one stats period
 
@@ -53,9 +53,9 @@ class DecodeLoad:
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any]) -> DecodeLoad:
         return cls(
-            float(stats.get("queued_tokens", 0) or 0),
-            float(stats.get("prefill_tokens_per_s", 0) or 0),
-            int(stats.get("num_running", 0) or 0),
+            figure(stats, "queued_tokens"),
+            figure(stats, "prefill_tokens_per_s"),
+            int(figure(stats, "num_running")),
         )
 
 

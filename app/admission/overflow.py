@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from app.admission.adaptive import SentSince
 from app.config import PDServeConfig, PoolConfig
 from app.router import RouteDecision
-from decode.placement import PoolSnapshot
+from decode.placement import PoolSnapshot, figure
 
 MAX_PROMPT_BUSY = 0.95  # keeps the load finite for a replica that only computed prompts
 
@@ -212,16 +212,14 @@ class DecodeOverflow:
             stats = [
                 s
                 for s in stats
-                if float(s.get("prompt_busy", 0.0)) <= self._max_prompt_busy
-                and float(s.get("queued_tokens", 0) or 0) <= self._max_prompt_tokens
+                if figure(s, "prompt_busy") <= self._max_prompt_busy
+                and figure(s, "queued_tokens") <= self._max_prompt_tokens
             ]
         if not stats:
             return None
         extra = self._sent.since(pool, snapshot.updated_at) / num_replicas
         running = self.running(pool) / num_replicas
         return min(
-            decode_load(
-                max(float(s["num_sequences"]) + extra, running), float(s.get("prompt_busy", 0.0))
-            )
+            decode_load(max(figure(s, "num_sequences") + extra, running), figure(s, "prompt_busy"))
             for s in stats
         )

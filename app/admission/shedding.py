@@ -38,7 +38,7 @@ from typing import Any
 
 from app.admission.overload_config import SheddingSettings
 from app.errors import ServiceUnavailableError
-from decode.placement import PoolSnapshot
+from decode.placement import PoolSnapshot, figure
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +51,12 @@ class ReplicaLoad:
     @classmethod
     def from_stats(cls, stats: Mapping[str, Any], priority: int) -> ReplicaLoad:
         """The load ahead of a request of `priority` (lower = more important)."""
-        queued = float(stats.get("queued_tokens", 0) or 0)
+        queued = figure(stats, "queued_tokens")
         by_priority = stats.get("pending_tokens_by_priority")
         if isinstance(by_priority, Mapping):
             ahead = sum(float(n) for p, n in by_priority.items() if int(p) <= priority)
             queued = min(queued, ahead)
-        return cls(queued, float(stats.get("prefill_tokens_per_s", 0) or 0))
+        return cls(queued, figure(stats, "prefill_tokens_per_s"))
 
 
 def predict_ttft_s(replicas: Iterable[ReplicaLoad], num_prompt_tokens: int) -> float | None:
@@ -86,7 +86,7 @@ class DecodeSlots:
         waiting = admission.get("num_waiting_by_priority") or {}
         ahead = sum(int(n) for p, n in waiting.items() if int(p) <= priority)
         free = int(admission.get("max_active", 0)) - int(admission.get("num_active", 0))
-        return cls(max(free, 0), ahead, float(admission.get("releases_per_s", 0) or 0))
+        return cls(max(free, 0), ahead, figure(admission, "releases_per_s"))
 
     def wait_s(self) -> float | None:
         """Seconds until a new request holds a slot; None: it would wait, for how long is
