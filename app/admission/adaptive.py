@@ -15,7 +15,10 @@ The prompt goes local when the remote wait exceeds the local cost x (1 + margin)
 least `min_gain_s`; it goes back to remote once the wait is no longer than the local cost
 (disaggregation is the default when the two are even). In between, each (prefill pool,
 decode pool) pair keeps its last choice, so decisions do not flap around the boundary.
-Prompts over `max_local_prompt_tokens` always go remote. Missing or stale data (a pool not
+While prompts go local although a prefill replica has an empty queue, one prompt per
+`probe_interval_s` goes remote anyway: a replica's rate is re-measured only by the prompts
+it is sent, and a rate measured across a stall would otherwise keep every prompt local for
+good. Prompts over `max_local_prompt_tokens` always go remote. Missing or stale data (a pool not
 seen yet, load older than `max_age_s`, no measured rate) leaves the static rule's choice,
 and the reason says so.
 
@@ -154,6 +157,7 @@ class AdaptivePrefill:
         self._snapshot = snapshot
         self._clock = clock
         self._local: dict[tuple[str, str], bool] = {}  # (prefill, decode) -> last choice
+        self._last_remote: dict[tuple[str, str], float] = {}  # pair -> last prompt sent remote
         self._sent = SentSince()
 
     def apply(self, route: RouteDecision, num_prompt_tokens: int, priority: int) -> RouteDecision:
@@ -167,22 +171,49 @@ class AdaptivePrefill:
         pair = (route.prefill_pool, route.decode_pool)
         prefill = self._fresh(route.prefill_pool, now)
         decode = self._fresh(route.decode_pool, now)
+        prefill_loads = (
+            None if prefill is None else self._prefill_loads(route.prefill_pool, prefill, priority)
+        )
         choice = choose_prefill(
             self.settings,
             num_prompt_tokens,
-            None if prefill is None else self._prefill_loads(route.prefill_pool, prefill, priority),
+            prefill_loads,
             None if decode is None else self._decode_loads(route.decode_pool, decode),
             self._local.get(pair, False),
         )
         if choice.local_cost_s is not None:  # a comparison, not a rule: the pair's state
             self._local[pair] = bool(choice.local)
+        if choice.local and prefill_loads is not None:
+            choice = self._probe(pair, choice, prefill_loads, now)
         reason = f"{route.reason}; adaptive ({route.prefill_pool} vs {route.decode_pool}): "
         reason += choice.reason
         if not choice.local:
+            self._last_remote[pair] = now
             self._sent.add(route.prefill_pool, num_prompt_tokens, now)
             return dataclasses.replace(route, reason=reason)
         self._sent.add(route.decode_pool, num_prompt_tokens, now)
         return dataclasses.replace(route, prefill_pool=None, local_prefill=True, reason=reason)
+
+    def _probe(
+        self,
+        pair: tuple[str, str],
+        choice: AdaptiveChoice,
+        prefill: Sequence[ReplicaLoad],
+        now: float,
+    ) -> AdaptiveChoice:
+        """`choice` (local), or a probe sent remote instead: a prefill replica that has an
+        empty queue yet looks dearer than a local prefill is judged by a rate measured
+        before it went quiet (a step slowed by a stall, a pause or a cold start), which no
+        prompt re-measures while every prompt stays local. So one prompt per
+        `probe_interval_s` goes to the pool while one of its replicas is idle."""
+        interval = self.settings.probe_interval_s
+        if interval <= 0 or not any(r.queued_tokens <= 0 for r in prefill):
+            return choice
+        since = now - self._last_remote.setdefault(pair, now)
+        if since < interval:
+            return choice
+        why = f"{choice.reason}; probe: an idle prefill replica, no prompt sent for {since:.1f} s"
+        return dataclasses.replace(choice, local=False, reason=f"{why} -> remote prefill")
 
     def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:
         snapshot = self._snapshot(pool)

@@ -226,6 +226,15 @@ class AdaptivePrefillSettings(_Strict):
         allow_inf_nan=False,
         description="Pool load older than this counts as missing: the static rule decides.",
     )
+    probe_interval_s: float = Field(
+        default=10.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="While prompts go local although a prefill replica is idle, send one "
+        "prompt per this many seconds to the prefill pool anyway, so that its prefill rate is "
+        "measured again (a rate measured on a stalled or cold replica would otherwise keep "
+        "every prompt local for good); 0 = never probe.",
+    )
     borrow_prefill_rate: bool = Field(
         default=False,
         description="Until a decode replica has measured its own prefill rate (from prompts "

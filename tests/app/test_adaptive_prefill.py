@@ -229,6 +229,42 @@ def test_higher_priority_sees_only_the_work_ahead_of_it() -> None:
     assert loads.adaptive().apply(REMOTE, P, priority=10).local_prefill
 
 
+def test_an_idle_prefill_pool_judged_by_a_stale_rate_gets_a_probe() -> None:
+    """A rate measured across a stall (here 100 tokens/s on an empty queue) would keep every
+    prompt local for good: one prompt per probe interval goes remote to re-measure it."""
+    loads = Loads()
+    loads.publish("prefill", prefill_stats(0, rate=100.0))
+    loads.publish("decode", decode_stats())
+    adaptive = loads.adaptive(probe_interval_s=10.0, max_age_s=100.0)
+
+    def route_at(age: float) -> RouteDecision:
+        loads.age = age
+        return adaptive.apply(REMOTE, P, priority=0)
+
+    assert [route_at(t).local_prefill for t in (0.0, 5.0, 9.9)] == [True] * 3
+    probe = route_at(10.0)
+    assert not probe.local_prefill and probe.prefill_pool == "prefill"
+    assert "probe: an idle prefill replica, no prompt sent for 10.0 s -> remote" in probe.reason
+    # The probe's tokens count as queued there until the next snapshot: no second probe.
+    assert [route_at(t).local_prefill for t in (10.1, 25.0)] == [True, True]
+
+
+def test_no_probe_while_the_prefill_pool_is_busy_or_probing_is_off() -> None:
+    loads = Loads()
+    loads.publish("prefill", prefill_stats(40_000))  # its queue re-measures its rate
+    loads.publish("decode", decode_stats())
+    busy = loads.adaptive(probe_interval_s=10.0, max_age_s=100.0)
+    loads.publish("prefill", prefill_stats(0, rate=100.0))
+    off = loads.adaptive(probe_interval_s=0.0, max_age_s=100.0)
+    for age in (0.0, 30.0, 60.0):
+        loads.age = age
+        assert off.apply(REMOTE, P, priority=0).local_prefill
+    loads.publish("prefill", prefill_stats(40_000))
+    for age in (0.0, 30.0, 60.0):
+        loads.age = age
+        assert busy.apply(REMOTE, P, priority=0).local_prefill
+
+
 # ---- config ----------------------------------------------------------------------------
 
 

@@ -178,7 +178,9 @@ def wait_remote_prefill(
     deadline = time.monotonic() + timeout_s
     i = 0
     while not done():
-        assert time.monotonic() < deadline, "remote prefill never resumed"
+        if time.monotonic() > deadline:
+            reasons = [r["reason"] for r in server.stats()["routing"]["recent"][-3:]]
+            pytest.fail(f"remote prefill never resumed; the last routing decisions: {reasons}")
         prompt = long_prompt(8000 + i)
         assert complete(server, prompt, 4) == hf.complete(prompt, 4).text, prompt
         i += 1
