@@ -48,7 +48,7 @@ class Endpoint:
         self._close_lock = threading.Lock()
         self._terminate, self._housekeeping = terminate, housekeeping or table.sweep
         self._prefix, self._stopped = f"kv-{backend}-{role}", threading.Event()
-        self._reaper = self.start("reaper", self._reap, options.reap_interval_s)
+        self._reaper = self.every("reaper", options.reap_interval_s, self._reap)
 
     def start(self, what: str, target: Callable[..., None], *args: object) -> threading.Thread:
         """Start a daemon thread named for this endpoint."""
@@ -57,17 +57,26 @@ class Endpoint:
         thread.start()
         return thread
 
-    def _reap(self, interval_s: float) -> None:
-        """Reaper thread, every `interval_s` until closed: end overdue transfers EXPIRED,
-        then the owner's housekeeping."""
-        while not self._stopped.wait(interval_s):
-            try:
-                for request_id in self.table.overdue(time.monotonic()):
-                    expired = TransferExpiredError("ticket deadline passed")
-                    self._terminate(request_id, TransferState.EXPIRED, expired)
-                self._housekeeping()
-            except Exception:
-                logger.exception("%s reaper tick failed", self.role)
+    def every(self, what: str, interval_s: float, tick: Callable[[], None]) -> threading.Thread:
+        """Start a daemon thread that runs `tick` every `interval_s` until `end_close` (a
+        failed tick is logged; the next one still runs). `end_close` joins the reaper; the
+        owner passes its other such threads to it."""
+
+        def loop() -> None:
+            while not self._stopped.wait(interval_s):
+                try:
+                    tick()
+                except Exception:
+                    logger.exception("%s %s tick failed", self.role, what)
+
+        return self.start(what, loop)
+
+    def _reap(self) -> None:
+        """Reaper thread: end overdue transfers EXPIRED, then the owner's housekeeping."""
+        for request_id in self.table.overdue(time.monotonic()):
+            expired = TransferExpiredError("ticket deadline passed")
+            self._terminate(request_id, TransferState.EXPIRED, expired)
+        self._housekeeping()
 
     def count(self, reason: str) -> None:
         with self.lock:

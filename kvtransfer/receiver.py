@@ -301,7 +301,7 @@ class Receiver:
                 self._table.unfence(rid, conn)  # the sender stopped before telling us
         elif kind is Kind.ABORT_ACK:
             self._table.unfence(rid, conn)
-        elif kind not in (Kind.FINISH, Kind.ABORT):
+        elif kind not in (Kind.FINISH, Kind.ABORT, Kind.PING):  # a PING only keeps it open
             logger.warning("unexpected %s frame from sender; ignored", kind.name)
 
     def _on_begin(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:

@@ -2,8 +2,10 @@
 
 It holds an `Endpoint` and one `Writing` (the backend's data path). `send_layer`/`finish`
 only enqueue; one worker thread drains the queue in order, coalescing the layers of a
-ticket already queued into one `Writing.write`. Per receiver one cached connection
-(replaced after `idle_timeout_s / 2` unused): CHALLENGE -> HELLO -> WELCOME (both proofs
+ticket already queued into one `Writing.write`. Per receiver one cached connection, kept
+open by a PING every `idle_timeout_s / 4` it is unused (a new one costs a handshake and, on
+shm, mapping the receiver's cache), replaced all the same if unused for `idle_timeout_s / 2`
+(the receiver closes it at `idle_timeout_s`): CHALLENGE -> HELLO -> WELCOME (both proofs
 of the secret, `auth`) -> `Writing.welcome`; per ticket BEGIN -> ACCEPT | REJECT before
 any write, LAYER frames, FINISH -> RESULT (DONE). `connect(ticket)` does the handshake and
 BEGIN early, on the caller's thread. One reader thread per connection handles the
@@ -83,6 +85,7 @@ class Sender:
         self._connecting: dict[str, threading.Lock] = {}  # one handshake per endpoint
         self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
         self._worker = self._ep.start("worker", self._work)
+        self._pinger = self._ep.every("keepalive", options.idle_timeout_s / 4, self._keep_alive)
 
     def __enter__(self) -> Sender:
         return self
@@ -158,14 +161,14 @@ class Sender:
 
     def serving_problem(self) -> str | None:
         """Called by the replica's health check: why no layer can be sent now, or None."""
-        return self._ep.problem({"worker": self._worker})
+        return self._ep.problem({"worker": self._worker, "keepalive": self._pinger})
 
     def close(self) -> None:
         """Called once at replica shutdown: aborts open transfers (releasing their source
         blocks), stops the threads and closes connections. Idempotent."""
         if self._ep.begin_close():
             self._queue.put(None)
-            self._ep.end_close(self._worker)
+            self._ep.end_close(self._worker, self._pinger)
 
     def _record(self, ticket: Ticket) -> TransferRecord | None:
         """The live record serving `ticket`, created on first use; None once it is terminal."""
@@ -310,6 +313,26 @@ class Sender:
             connecting.release()
         conn.thread = self._ep.start("read", self._ep.serve, conn, self._read, self._drop)
         return conn
+
+    def _keep_alive(self) -> None:
+        """Keepalive thread: a PING on every connection unused for `idle_timeout_s / 4`, so
+        the receiver keeps it open for the next transfer. A peer that cannot take 32 bytes
+        in `io_timeout_s` is lost: closing the socket makes its reader thread drop it."""
+        now = time.monotonic()
+        with self._ep.lock:
+            idle = [
+                conn
+                for conn in self._ep.connections
+                if conn.alive and now - conn.last_used >= self.options.idle_timeout_s / 4
+            ]
+        for conn in idle:
+            try:
+                conn.fs.send(Kind.PING)
+            except KVTransferError:
+                conn.alive = False
+                conn.fs.close()
+                continue
+            conn.last_used = time.monotonic()
 
     def _reusable(self, endpoint: str) -> Connection | None:
         """A live, recently used connection to `endpoint` (caller holds `_ep.lock`); stale

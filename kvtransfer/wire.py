@@ -33,7 +33,7 @@ from kvtransfer.base import (
 )
 
 MAGIC = 0x564B4450  # b"PDKV" little-endian
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: PING
 MAX_CONTROL_BYTES = 64 * 1024  # any payload but a LAYER's: JSON objects, request ids
 _HEADER = struct.Struct("<IBBHIQQI")
 HEADER_SIZE = _HEADER.size
@@ -54,6 +54,7 @@ class Kind(enum.IntEnum):
     ABORT_ACK = 10  # sender -> receiver: no more writes to rid's blocks will happen
     RESULT = 11  # receiver -> sender: rid's outcome
     CHALLENGE = 12  # receiver -> sender, JSON {version, nonce, auth}: first frame (see auth)
+    PING = 13  # sender -> receiver: keepalive of an unused connection (no payload)
 
 
 @dataclass(slots=True)
@@ -208,7 +209,7 @@ class Connection:
     def __init__(self, fs: FrameSocket, name: str) -> None:
         # `name`: the receiver's endpoint (sender side) or the socket's fd
         self.fs, self.name, self.alive = fs, name, True
-        self.last_used = time.monotonic()  # last frame read or (sender) use
+        self.last_used = time.monotonic()  # last frame read, or (sender) use or PING
         self.thread: threading.Thread | None = None  # reads this connection's frames
         self.state: dict[str, object] = {}  # data path's per-connection state
         # Sender side: the receiver's WELCOME, its incarnation and cache size, and BEGINs

@@ -43,7 +43,13 @@ def spec(num_blocks: int, dtype: str = "float32", num_layers: int = 3) -> KVCach
 
 
 class Pair:
-    def __init__(self, backend: str, dtype: str = "float32", num_layers: int = 3) -> None:
+    def __init__(
+        self,
+        backend: str,
+        dtype: str = "float32",
+        num_layers: int = 3,
+        options: TransferOptions = OPTIONS,
+    ) -> None:
         self.receiver_released: list[str] = []
         self.sender_released: list[str] = []
         self.receiver: Receiver = create_receiver(
@@ -51,14 +57,14 @@ class Pair:
             spec(32, dtype, num_layers),
             model_id="m",
             release=self.receiver_released.append,
-            options=OPTIONS,
+            options=options,
         )
         self.sender: Sender = create_sender(
             backend,
             spec(24, dtype, num_layers),
             model_id="m",
             release=self.sender_released.append,
-            options=OPTIONS,
+            options=options,
         )
         self.source = KVCache.allocate(spec(24, dtype, num_layers))
         self.source.flat.copy_(torch.randn(self.source.flat.shape))
@@ -202,6 +208,27 @@ def test_stale_epoch_is_refused(pair: Pair) -> None:
     assert pair.sender.poll("s") is TransferState.FAILED
     assert isinstance(pair.sender.error("s"), StaleEpochError)
     assert pair.receiver.poll("s") is TransferState.PENDING
+
+
+def test_an_unused_connection_is_kept_open_for_the_next_transfer(backend: str) -> None:
+    """Pings keep the connection past the receiver's idle timeout: the next transfer needs
+    no new handshake (nor, on shm, a new mapping of the receiver's cache)."""
+    p = Pair(backend, options=dataclasses.replace(OPTIONS, idle_timeout_s=0.4))
+    try:
+        for rid in ("before", "after"):
+            ticket = p.receiver.open_ticket(rid, [1, 2], 10.0)
+            p.send(ticket, [3, 4])
+            p.sender.finish(ticket)
+            assert p.receiver.wait(rid, WAIT_S) is TransferState.DONE
+            if rid == "before":
+                connections = set(p.sender._ep.connections)
+                time.sleep(1.2)  # three idle timeouts
+        assert set(p.sender._ep.connections) == connections and len(connections) == 1
+        stats = p.receiver.endpoint_stats()
+        assert stats["connections"] == 1 and "idle_timeout" not in stats, stats
+    finally:
+        p.sender.close()
+        p.receiver.close()
 
 
 def test_caller_bugs_raise_value_errors(pair: Pair) -> None:
