@@ -13,7 +13,10 @@ the reference and the transfer interleaved (medians of `--repeats`):
   per-layer transfer time, so compute and transfer are equal): `overlap_total_ms` vs
   `compute_ms` + `transfer_ms`, and `handover_ms`, from the last layer computed to DONE.
 
-The last stdout line is one JSON object (a list with several --tokens).
+Before the first measurement the sender connects and sets the connection up in full
+(`Sender.warm`: on shm, the receiver's cache populated in its page tables), so the figures
+are a warm connection's. The last stdout line is one JSON object (a list with several
+--tokens).
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ def _prefill_worker(
     try:
         while (msg := conn.recv()) is not None:
             op = msg[0]
-            if op == "transfer":
+            if op == "warm":  # connected, and the receiver's cache mapped in full
+                conn.send(sender.warm(msg[1], 120.0))
+            elif op == "transfer":
                 _, ticket, src_ids, delay_s = msg
                 conn.send(_send_all(sender, cache, ticket, src_ids, delay_s))
             elif op == "memcpy" and gpu:  # one device copy into the receiver's GPU
@@ -337,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     sink = np.ones(max_blocks * geometry.spec(1, args.block_size).bytes_per_block, np.uint8)
     results: list[dict[str, object]] = []
     try:
+        parent.send(("warm", receiver.endpoint))  # no measured transfer sets up a connection
+        parent.recv()
         with tqdm(
             total=2 * args.repeats * len(args.tokens),
             file=sys.stderr,

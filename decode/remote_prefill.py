@@ -47,6 +47,9 @@ class PrefillHandle(Protocol):
     @property
     def prefill(self) -> Any: ...
 
+    @property
+    def warm(self) -> Any: ...
+
 
 def transfer_id(request_id: str, attempt: int) -> str:
     """The transfer id of a request's remote-prefill attempt (also its reservation's

@@ -44,6 +44,7 @@ from decode.remote_prefill import (
 from decode.reservations import ReservationTable
 from decode.streams import Streams
 from decode.trace import GenerationTrace
+from decode.warm_up import PrefillWarmer
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
@@ -125,6 +126,7 @@ class DecodeServer:
         self.reservations = ReservationTable(self.engine, self.loop, self.receiver)
         self._reservations = self.reservations.entries  # by transfer id
         self.remote: RemotePrefill | None = None  # None: every prompt is prefilled here
+        self.warmer: PrefillWarmer | None = None
         if self.receiver is not None:
             self.loop.between_steps.append(self.reservations.check_leases)
             self.remote = RemotePrefill(
@@ -136,6 +138,7 @@ class DecodeServer:
                 deadline_s,
                 transfer_options.fence_timeout_s + FENCE_MARGIN_S,
             )
+            self.warmer = PrefillWarmer(self.prefill_pools, self.receiver.endpoint, known_replicas)
         self._local_prefill = PrefillRate()  # for adaptive disaggregation (event loop only)
         self.replica.observers.extend(make(self.stats) for make in observers)
 
@@ -198,7 +201,10 @@ class DecodeServer:
         prefill's cost from it (`prefill_tokens_per_s`: the prompts this replica prefilled
         itself, queueing included) and sends degradable requests to the fallback pool
         while `prefill_breakers` (prefill pool -> `open`/`half_open`; closed ones left out)
-        says a prefill pool is cut off here. Never blocks."""
+        says a prefill pool is cut off here. Also connects new prefill replicas to this
+        replica's KV receiver (`decode/warm_up.py`). Never blocks."""
+        if self.warmer is not None:
+            self.warmer.tick()
         return {
             **await self.replica.routing_stats(),
             "prefill_tokens_per_s": self._local_prefill.tokens_per_s(),

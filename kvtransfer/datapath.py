@@ -46,6 +46,11 @@ class Writing(Protocol):
         """After the receiver's WELCOME was verified: set up the connection's data path."""
         return None
 
+    def settle(self, conn: Connection, timeout_s: float) -> None:
+        """Wait until what `welcome` started in the background is done (shm: populating the
+        mapping); PeerTimeoutError after `timeout_s`."""
+        return None
+
     def ready(self, k_cache: torch.Tensor) -> object | None:
         """In `send_layer`, on the caller's thread: mark the layer computed (nccl: event)."""
         return None

@@ -107,6 +107,15 @@ class Sender:
         except KVTransferError as exc:
             raise self._fail(ticket, exc) from None
 
+    def warm(self, endpoint: str, timeout_s: float) -> None:
+        """Connect to the receiver at `endpoint` now, without a ticket, and wait until the
+        connection's data path is set up in full (shm: the receiver's cache populated in our
+        page tables), so that no transfer meets a cold one: a benchmark's warm-up. Raises
+        PeerLostError / PeerTimeoutError / AuthenticationError when it cannot."""
+        deadline = time.monotonic() + timeout_s
+        conn = self._connection(endpoint, timeout_s)
+        self._writing.settle(conn, max(0.0, deadline - time.monotonic()))
+
     def send_layer(
         self,
         ticket: Ticket,

@@ -21,6 +21,7 @@ import re
 import secrets
 import socket
 import struct
+import threading
 from multiprocessing.shared_memory import SharedMemory
 from stat import S_ISREG
 
@@ -30,7 +31,12 @@ import torch
 from engine.kv_cache import KVCache, KVCacheSpec
 from kernels import rowcopy
 from kernels.rowcopy import CopyPlan, block_rows
-from kvtransfer.base import BackendUnavailableError, KVTransferError, PeerLostError
+from kvtransfer.base import (
+    BackendUnavailableError,
+    KVTransferError,
+    PeerLostError,
+    PeerTimeoutError,
+)
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
 from kvtransfer.table import TransferRecord
@@ -232,10 +238,21 @@ class ShmWriting(Writing):
             raise PeerLostError(f"receiver at {conn.name} has no shm segment {segment!r}") from None
         except (OSError, ValueError) as exc:
             raise PeerLostError(f"cannot map {segment}: {exc}") from exc
-        # ~0.1 s per 256 MiB of cache, once per connection (the sender keeps it open): on a
-        # thread instead, the first transfers would run slower while it populates.
-        prefault_writable(flat)
+        # ~0.1 s per 256 MiB of cache (seconds for a large one), once per connection: on a
+        # thread, so the first transfer waits only for the pages it writes.
+        populate = threading.Thread(target=prefault_writable, args=(flat,), name="kv-shm-populate")
+        populate.daemon = True
+        populate.start()
+        conn.state["populating"] = populate
         conn.state["rows"] = flat.numpy().reshape(self.spec.num_layers, 2, conn.num_blocks, -1)
+
+    def settle(self, conn: Connection, timeout_s: float) -> None:
+        """Wait until the receiver's cache is populated in our page tables."""
+        populate = conn.state.get("populating")
+        if isinstance(populate, threading.Thread):
+            populate.join(timeout_s)
+            if populate.is_alive():
+                raise PeerTimeoutError(f"mapping {conn.name} took over {timeout_s} s")
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool

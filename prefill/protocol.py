@@ -35,3 +35,13 @@ class PrefillResult:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     transfer_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmRequest:
+    """A decode replica asks a prefill replica to connect to its KV receiver at `endpoint`
+    before any transfer between them (`decode/warm_up.py`). `probe_replica` names the
+    replica meant (the replica router offers it first)."""
+
+    endpoint: str
+    probe_replica: str | None = None

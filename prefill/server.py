@@ -39,10 +39,11 @@ from engine.signals import (
 )
 from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
-from prefill.protocol import PrefillRequest, PrefillResult
+from prefill.protocol import PrefillRequest, PrefillResult, WarmRequest
 from prefill.trace import PrefillTrace
 
 logger = logging.getLogger(__name__)
+WARM_TIMEOUT_S = 20.0  # connecting, and on shm populating the receiver's cache
 
 
 class PrefillServer:
@@ -164,6 +165,18 @@ class PrefillServer:
             compute_ms=phases.compute_ms,
             transfer_ms=phases.transfer_ms,
         )
+
+    async def warm(self, request: WarmRequest) -> str:
+        """Called by a decode replica (`decode/warm_up.py`): connect to its KV receiver now,
+        so that its first transfer from here finds the connection ready. Returns this
+        replica's name, or "" when it could not connect (logged; the first transfer then
+        connects by itself)."""
+        try:
+            await asyncio.to_thread(self.sender.warm, request.endpoint, WARM_TIMEOUT_S)
+        except KVTransferError as exc:
+            logger.warning("could not connect to the decode receiver %s: %r", request.endpoint, exc)
+            return ""
+        return self.replica.name
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
         """Called by the ingress while the decode pool is busier than this pool (decode

@@ -8,6 +8,7 @@ connections (/proc/net/tcp) must show the KV connection between exactly those ad
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,27 @@ def established_tcp() -> list[tuple[tuple[str, int], tuple[str, int]]]:
     return [(_address(r[1]), _address(r[2])) for r in rows if r[3] == TCP_ESTABLISHED]
 
 
+def kv_links() -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """The established connections from the prefill replica's address to the decode one's."""
+    return [
+        (local, remote)
+        for local, remote in established_tcp()
+        if local[0] == PREFILL_HOST and remote[0] == DECODE_HOST
+    ]
+
+
+def test_the_prefill_replica_connects_before_the_first_request(server: Server) -> None:
+    """The decode replica has the prefill replica connect to it when it starts (the first
+    remote prefill then meets a ready connection), before any request: runs first here."""
+    deadline = time.monotonic() + 60.0
+    while not kv_links():
+        assert time.monotonic() < deadline, f"no KV connection yet: {established_tcp()}"
+        time.sleep(0.2)
+    decode = server.stats()["pools"]["decode"]
+    assert decode["kv_endpoint"]["connections"] == 1
+    assert decode["counters"].get("remote_prefill", 0) == 0
+
+
 def test_decode_and_prefill_on_different_addresses_exchange_kv_over_tcp(
     server: Server, hf: HFGreedy
 ) -> None:
@@ -65,9 +87,4 @@ def test_decode_and_prefill_on_different_addresses_exchange_kv_over_tcp(
     counters = server.stats()["pools"]["decode"]["counters"]
     assert counters.get("remote_prefill", 0) == len(prompts)
     # The prefill replica keeps its connection to the decode replica's endpoint open.
-    kv_links = [
-        (local, remote)
-        for local, remote in established_tcp()
-        if local[0] == PREFILL_HOST and remote[0] == DECODE_HOST
-    ]
-    assert len(kv_links) == 1, established_tcp()
+    assert len(kv_links()) == 1, established_tcp()

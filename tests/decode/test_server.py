@@ -18,6 +18,7 @@ import pytest
 from decode.protocol import GenerationSpec
 from decode.reservations import Reservation
 from decode.server import DecodeServer
+from decode.warm_up import RETRY_AFTER_S, PrefillWarmer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -29,6 +30,7 @@ from kvtransfer import (
     UnknownTransferError,
     create_sender,
 )
+from prefill.protocol import WarmRequest
 from prefill.server import PrefillServer
 
 PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "tiny", "x" * 70]
@@ -443,3 +445,75 @@ def _known(decode: DecodeServer, transfer_id: str) -> bool:
     except UnknownTransferError:
         return False
     return True
+
+
+class WarmHandle:
+    """`handle.warm.remote(request)` of a pool whose one replica is `prefill` (or, with
+    `prefill` None, of a pool whose calls fail)."""
+
+    def __init__(self, prefill: PrefillServer | None) -> None:
+        self._prefill = prefill
+        self.probes: list[str | None] = []
+
+    @property
+    def warm(self) -> WarmHandle:
+        return self
+
+    def remote(self, request: WarmRequest) -> asyncio.Future:
+        self.probes.append(request.probe_replica)
+        prefill = self._prefill
+        if prefill is None:
+
+            async def dead() -> str:
+                raise ConnectionError("no replica")
+
+            return asyncio.ensure_future(dead())
+        return asyncio.ensure_future(prefill.warm(request))
+
+
+def test_the_warmer_connects_each_prefill_replica_once_before_any_request(servers) -> None:
+    prefill, decode, _ = servers
+    name, handle, seen = prefill.replica.name, WarmHandle(prefill), {}
+    clock = [0.0]
+    warmer = PrefillWarmer({"p": handle}, decode.receiver.endpoint, seen.get, lambda: clock[0])
+
+    async def rounds() -> None:
+        await warmer.tick()  # the router has seen no replica yet: the pool at large
+        assert handle.probes == [None] and warmer.warmed == {("p", name)}
+        assert decode.receiver.endpoint_stats()["connections"] == 1
+        seen["p"] = [name]
+        await warmer.tick()  # nothing new
+        seen["p"] = [name, "prefill:p@elsewhere:1"]
+        await warmer.tick()  # the call meant for the new replica came back from ours
+        await warmer.tick()  # ... so it waits RETRY_AFTER_S
+        assert handle.probes == [None, "prefill:p@elsewhere:1"]
+        clock[0] += RETRY_AFTER_S
+        await warmer.tick()
+        assert handle.probes == [None, "prefill:p@elsewhere:1", "prefill:p@elsewhere:1"]
+
+    asyncio.run(rounds())
+    assert decode.receiver.endpoint_stats()["connections"] == 1  # the one kept open
+
+    failing = WarmHandle(None)
+    warmer = PrefillWarmer({"p": failing}, decode.receiver.endpoint, {}.get, lambda: clock[0])
+
+    async def failed_rounds() -> None:
+        await warmer.tick()
+        await warmer.tick()  # a failure is not retried at once
+        assert failing.probes == [None] and not warmer.warmed
+
+    asyncio.run(failed_rounds())
+
+
+def test_a_warmed_connection_serves_the_first_remote_prefill(servers, expected) -> None:
+    prefill, decode, _ = servers
+    warmer = PrefillWarmer({"p": WarmHandle(prefill)}, decode.receiver.endpoint, {}.get)
+
+    async def run() -> tuple[set[object], list[int]]:
+        await warmer.tick()
+        connections = set(prefill.sender._ep.connections)
+        return connections, await collect(decode, spec_for(decode, 0, PROMPTS[0]))
+
+    connections, tokens = asyncio.run(run())
+    assert tokens == expected[0]
+    assert len(connections) == 1 and set(prefill.sender._ep.connections) == connections

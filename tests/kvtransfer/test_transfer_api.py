@@ -14,6 +14,7 @@ import torch
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
     KVLayoutMismatchError,
+    PeerLostError,
     Receiver,
     Sender,
     StaleEpochError,
@@ -229,6 +230,22 @@ def test_an_unused_connection_is_kept_open_for_the_next_transfer(backend: str) -
     finally:
         p.sender.close()
         p.receiver.close()
+
+
+def test_warm_sets_up_the_connection_before_the_first_ticket(pair: Pair, backend: str) -> None:
+    pair.sender.warm(pair.receiver.endpoint, WAIT_S)
+    (conn,) = pair.sender._ep.connections
+    populating = conn.state.get("populating")  # shm: the receiver's cache, mapped in full
+    assert (populating is not None) == (backend == "shm")
+    assert populating is None or not populating.is_alive()
+    ticket = pair.receiver.open_ticket("r", [1, 2], 10.0)
+    pair.send(ticket, [3, 4])
+    pair.sender.finish(ticket)
+    assert pair.receiver.wait("r", WAIT_S) is TransferState.DONE
+    assert set(pair.sender._ep.connections) == {conn}
+    nobody = {"shm": "shm://pdkv-nobody-0", "tcp": "tcp://127.0.0.1:9"}[backend]
+    with pytest.raises(PeerLostError):
+        pair.sender.warm(nobody, 2.0)
 
 
 def test_caller_bugs_raise_value_errors(pair: Pair) -> None:
