@@ -110,8 +110,11 @@ class Sender:
     def warm(self, endpoint: str, timeout_s: float) -> None:
         """Connect to the receiver at `endpoint` now, without a ticket, and wait until the
         connection's data path is set up in full (shm: the receiver's cache populated in our
-        page tables), so that no transfer meets a cold one: a benchmark's warm-up. Raises
+        page tables), so that no transfer meets a cold one. Called by `PrefillServer.warm`
+        for a decode replica (`decode/warm_up.py`) and by `pdserve bench transfer`. Raises
         PeerLostError / PeerTimeoutError / AuthenticationError when it cannot."""
+        if self._ep.closed:
+            raise PeerLostError("sender is closed")
         deadline = time.monotonic() + timeout_s
         conn = self._connection(endpoint, timeout_s)
         self._writing.settle(conn, max(0.0, deadline - time.monotonic()))

@@ -246,6 +246,9 @@ def test_warm_sets_up_the_connection_before_the_first_ticket(pair: Pair, backend
     nobody = {"shm": "shm://pdkv-nobody-0", "tcp": "tcp://127.0.0.1:9"}[backend]
     with pytest.raises(PeerLostError):
         pair.sender.warm(nobody, 2.0)
+    pair.sender.close()  # a closed sender connects to no one
+    with pytest.raises(PeerLostError, match="closed"):
+        pair.sender.warm(pair.receiver.endpoint, 2.0)
 
 
 def test_caller_bugs_raise_value_errors(pair: Pair) -> None:
