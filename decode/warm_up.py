@@ -11,9 +11,9 @@ its first remote prefill: 215 ms to the first token against ~100 ms for the next
 once a second, on its event loop), starts a round unless one is running: for each prefill
 pool, a `warm` call to every replica its replica router knows and this replica has not
 warmed yet (to the pool at large while the router has seen none), one call at a time, each
-bounded by `WARM_TIMEOUT_S`. A replica that could not be warmed (or whose call another
-replica took) is tried again `RETRY_AFTER_S` later; its first transfer connects by itself
-meanwhile, as before.
+bounded by `WARM_TIMEOUT_S` there and `CALL_MARGIN_S` more here. A replica that could
+not be warmed (or whose call another replica took) is tried again `RETRY_AFTER_S` later;
+its first transfer connects by itself meanwhile, as before.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from prefill.protocol import WarmRequest
 
 logger = logging.getLogger(__name__)
 
-WARM_TIMEOUT_S = 30.0
+WARM_TIMEOUT_S = 20.0  # the prefill replica's connecting (`WarmRequest.timeout_s`)
+CALL_MARGIN_S = 10.0  # the call's queueing and trips on top
 RETRY_AFTER_S = 30.0
 
 
@@ -69,9 +70,10 @@ class PrefillWarmer:
                     await self._warm(pool, handle, replica)
 
     async def _warm(self, pool: str, handle: Any, replica: str | None) -> None:
-        request = WarmRequest(self._endpoint, probe_replica=replica)
+        request = WarmRequest(self._endpoint, replica, WARM_TIMEOUT_S)
         try:
-            name = await asyncio.wait_for(handle.warm.remote(request), WARM_TIMEOUT_S)
+            timeout_s = WARM_TIMEOUT_S + CALL_MARGIN_S
+            name = await asyncio.wait_for(handle.warm.remote(request), timeout_s)
         except Exception as exc:  # a replica going away, a pool with none: try again later
             name = ""
             logger.info("warming %s replica %s failed: %r", pool, replica or "(any)", exc)

@@ -41,7 +41,9 @@ class PrefillResult:
 class WarmRequest:
     """A decode replica asks a prefill replica to connect to its KV receiver at `endpoint`
     before any transfer between them (`decode/warm_up.py`). `probe_replica` names the
-    replica meant (the replica router offers it first)."""
+    replica meant (the replica router offers it first); `timeout_s` bounds the connecting
+    (on shm, populating the receiver's cache included)."""
 
     endpoint: str
     probe_replica: str | None = None
+    timeout_s: float = 20.0

@@ -43,7 +43,6 @@ from prefill.protocol import PrefillRequest, PrefillResult, WarmRequest
 from prefill.trace import PrefillTrace
 
 logger = logging.getLogger(__name__)
-WARM_TIMEOUT_S = 20.0  # connecting, and on shm populating the receiver's cache
 
 
 class PrefillServer:
@@ -172,7 +171,7 @@ class PrefillServer:
         replica's name, or "" when it could not connect (logged; the first transfer then
         connects by itself)."""
         try:
-            await asyncio.to_thread(self.sender.warm, request.endpoint, WARM_TIMEOUT_S)
+            await asyncio.to_thread(self.sender.warm, request.endpoint, request.timeout_s)
         except KVTransferError as exc:
             logger.warning("could not connect to the decode receiver %s: %r", request.endpoint, exc)
             return ""
