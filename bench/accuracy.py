@@ -30,8 +30,8 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import Engine
+from engine.kernels.metadata import AttentionMetadata
 from engine.request import SamplingParams
-from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

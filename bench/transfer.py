@@ -166,7 +166,7 @@ def _compute(seconds: float) -> None:
 
 
 def _checksums(cache: KVCache, block_ids: list[int]) -> list[int]:
-    from kernels.rowcopy import block_rows
+    from engine.kernels.rowcopy import block_rows
     from kvtransfer.payload import layer_crc
 
     ids = np.asarray(block_ids, dtype=np.int64)

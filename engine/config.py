@@ -81,7 +81,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_bytes: int = 256 * 1024 * 1024
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (`kernels.fp8`)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "fp8" (`engine.kernels.fp8`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import EngineConfig
+from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from kernels.metadata import AttentionMetadata
 
 
 def default_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
+from engine.kernels.fp8 import FP8_DTYPE
 from engine.kv_cache import TORCH_DTYPES
 from engine.model import CausalLM, RotaryEmbedding
 from engine.parallel import TensorParallel
@@ -26,7 +27,6 @@ from engine.quantization import (
     cast_floating_,
     finish_loading,
 )
-from kernels.fp8 import FP8_DTYPE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

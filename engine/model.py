@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Llama-3 RoPE scaling, Qwen2, Mistral) over a paged KV cache.
 
 Tokens of every sequence in a step are flattened into one dimension; attention reads and
-writes the paged cache through `kernels`. Parameter names follow Hugging Face so any local
+writes the paged cache through `engine.kernels`. Parameter names follow Hugging Face so any local
 checkpoint loads; q/k/v and gate/up projections are fused at load time (one matmul each).
 """
 
@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kernels import paged_attention, write_kv_cache
+from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import TORCH_DTYPES, KVCache
 from engine.parallel import TensorParallel, shard_state_dict, single
 from engine.quantization import Fp8Linear, pop_kv_scale, prepare_fp8_weights
-from kernels import paged_attention, write_kv_cache
-from kernels.metadata import AttentionMetadata
 
 LayerHook = Callable[[int], None]
 

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeGraphs
+from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import SchedulerOutput
 from engine.tp_worker import StepInput, TPWorkers
-from kernels.metadata import AttentionMetadata
 
 Sampled = dict[str, tuple[int, dict[int, float] | None]]
 

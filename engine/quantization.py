@@ -15,7 +15,7 @@ Embedding, norms and the LM head stay in the model dtype. They come either
 On CUDA with bfloat16 activations `Fp8Linear` runs `torch._scaled_mm` (FP8 tensor cores,
 per-token activation scales); elsewhere it dequantizes (the reference path CPU CI runs).
 
-KV cache: `kernels.fp8` stores K/V as FP8 with a static float32 scale per KV head per layer,
+KV cache: `engine.kernels.fp8` stores K/V as FP8 with a static float32 scale per KV head per layer,
 read from the checkpoint's `model.layers.{i}.self_attn.k_scale` / `v_scale` (a scalar or
 `[num_kv_heads]`), else 1.0 (e4m3 spans ±448 with 3 mantissa bits, ample for K/V values
 of order 1-100).
@@ -29,7 +29,7 @@ from collections.abc import MutableMapping
 import torch
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE, FP8_MAX
+from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 QUANTIZATION_METHODS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8")

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model import CausalLM
 from engine.parallel import COLLECTIVE_TIMEOUT_S, Shard, TensorParallel, create_group, new_group
@@ -50,7 +51,6 @@ from engine.tp_kv import (
     rank_view,
     unlink_quietly,
 )
-from kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from engine.kernels.rowcopy import matched_runs
 from engine.kv_cache import KVCache, KVCacheSpec
-from kernels.rowcopy import matched_runs
 from kvtransfer import base
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.nccl import layer_computed, resolve_device

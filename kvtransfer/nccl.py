@@ -3,7 +3,7 @@
 Per connection one two-rank communicator (receiver rank 0, sender rank 1) in its state,
 joined with the unique id of the receiver's WELCOME and aborted when it drops (so a dead
 peer never leaves a stream hanging). Per layer the sender's side stream waits for the
-event of `send_layer`, packs the blocks (`kernels.kv_pack`), and the LAYER frame carrying
+event of `send_layer`, packs the blocks (`engine.kernels.kv_pack`), and the LAYER frame carrying
 the byte count precedes the `ncclSend`. The receiver, reading frames in order, posts the
 `ncclRecv` and the unpack on its side stream; its fence synchronizes that stream before
 DONE and before an ended transfer's blocks return to the pool. NCCL cannot join two ranks
@@ -134,7 +134,7 @@ class NcclLanding(_Nccl, Landing):
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
         """Receive the packed layer and queue its unpack on the side stream (`fence` waits)."""
-        from kernels.kv_pack import unpack_kv_blocks
+        from engine.kernels.kv_pack import unpack_kv_blocks
 
         n = len(record.block_ids)
         # a wrong size would desynchronize the NCCL queue: a protocol error, not a skip
@@ -192,7 +192,7 @@ class NcclWriting(_Nccl, Writing):
     ) -> None:
         """Per layer: pack the blocks on the side stream, send the LAYER frame with the
         byte count, then `ncclSend` the packed buffer."""
-        from kernels.kv_pack import pack_kv_blocks
+        from engine.kernels.kv_pack import pack_kv_blocks
 
         comm = self.comm(conn)
         for item in items:

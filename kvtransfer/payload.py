@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
+from engine.kernels.rowcopy import as_id_array, contiguous_runs
 from engine.kv_cache import KVCache
-from kernels.rowcopy import as_id_array, contiguous_runs
 from kvtransfer.base import ChecksumMismatchError
 
 

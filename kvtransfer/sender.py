@@ -26,8 +26,8 @@ from concurrent.futures import Future, InvalidStateError
 
 import torch
 
+from engine.kernels.rowcopy import as_id_array
 from engine.kv_cache import KVCacheSpec
-from kernels.rowcopy import as_id_array
 from kvtransfer import auth
 from kvtransfer.base import (
     BlockIds,

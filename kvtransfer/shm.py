@@ -3,7 +3,7 @@
 The receiver creates its whole cache in a POSIX shared-memory segment (`/dev/shm/pdkv-*`,
 unlinked on close, by its resource tracker if it dies, or by the next receiver's sweep of
 dead owners); the sender maps it (`map_segment`: never creates one) and copies each layer's
-blocks there (`kernels.rowcopy`: streaming stores, all queued layers in one native call,
+blocks there (`engine.kernels.rowcopy`: streaming stores, all queued layers in one native call,
 for large transfers). Control runs over an abstract Unix socket, frames without payload.
 The sender writes our memory itself: an ended transfer's blocks stay fenced until its
 ABORT_ACK or its connection drops, and past the fence timeout quarantined until the
@@ -28,9 +28,9 @@ from stat import S_ISREG
 import numpy as np
 import torch
 
+from engine.kernels import rowcopy
+from engine.kernels.rowcopy import CopyPlan, block_rows
 from engine.kv_cache import KVCache, KVCacheSpec
-from kernels import rowcopy
-from kernels.rowcopy import CopyPlan, block_rows
 from kvtransfer.base import (
     BackendUnavailableError,
     KVTransferError,

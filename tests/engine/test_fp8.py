@@ -14,6 +14,7 @@ from bench.accuracy import measure
 from engine.builtin import write_builtin_model
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
+from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from engine.kv_cache import KVCacheSpec
 from engine.loader import load_model_config
 from engine.quantization import (
@@ -23,7 +24,6 @@ from engine.quantization import (
     quantize_weight,
 )
 from engine.request import SamplingParams
-from kernels.fp8 import FP8_DTYPE, FP8_MAX
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = ["an fp8 prompt long enough to fill more than one block", "short"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.metadata import AttentionMetadata
+from engine.kernels.metadata import AttentionMetadata
 
 # (atol, rtol) of an optimized kernel against its reference, by dtype
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cache_write import write_kv_cache, write_kv_cache_ref
+from engine.kernels.cache_write import write_kv_cache, write_kv_cache_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GEOMETRIES = [(4, 16, 16), (2, 64, 8), (3, 64, 16), (3, 16, 8)]  # (kvH, head_dim, block_size)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import (
+from engine.kernels import (
     pack_kv_blocks,
     pack_kv_blocks_ref,
     paged_attention,
@@ -17,7 +17,7 @@ from kernels import (
     write_kv_cache,
     write_kv_cache_ref,
 )
-from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_per_head, quantize_per_head
+from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_per_head, quantize_per_head
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_pack import (
+from engine.kernels.kv_pack import (
     pack_kv_blocks,
     pack_kv_blocks_ref,
     packed_shape,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import paged_attention, paged_attention_ref
+from engine.kernels.paged_attention import paged_attention, paged_attention_ref
 
 HEADS = [(4, 4), (4, 2), (9, 3)]  # (num_heads, num_kv_heads)
 # (num_heads, num_kv_heads, head_dim, block_size): every value of each axis appears

@@ -1,5 +1,5 @@
-"""Row copies (`kernels.rowcopy`): copy plans, the streaming-copy helper and its trust checks,
-and the layer checksum of `kvtransfer.payload`."""
+"""Row copies (`engine.kernels.rowcopy`): copy plans, the streaming-copy helper and its
+trust checks, and the layer checksum of `kvtransfer.payload`."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import rowcopy
-from kernels.rowcopy import CopyPlan, block_rows, contiguous_runs, matched_runs
+from engine.kernels import rowcopy
+from engine.kernels.rowcopy import CopyPlan, block_rows, contiguous_runs, matched_runs
 from kvtransfer.payload import layer_crc
 
 
@@ -148,7 +148,7 @@ def test_ntcopy_refuses_a_tampered_or_writable_library(
         rowcopy._library.cache_clear()
         return rowcopy.available()
 
-    caplog.set_level(logging.WARNING, logger="kernels.rowcopy")
+    caplog.set_level(logging.WARNING, logger="engine.kernels.rowcopy")
     os.chmod(path, 0o722)  # group/world writable
     assert not loads() and "writable by others" in caplog.text
     os.chmod(path, 0o700)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.cache_write import write_kv_cache_ref
-from kernels.kv_pack import pack_kv_blocks_ref, packed_shape, unpack_kv_blocks_ref
-from kernels.metadata import AttentionMetadata
-from kernels.paged_attention import paged_attention_ref
+from engine.kernels.cache_write import write_kv_cache_ref
+from engine.kernels.kv_pack import pack_kv_blocks_ref, packed_shape, unpack_kv_blocks_ref
+from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.paged_attention import paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
@@ -25,9 +25,9 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from kernels.triton.cache_write import write_kv_cache_triton  # noqa: E402
-from kernels.triton.kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton  # noqa: E402
-from kernels.triton.paged_attention import paged_attention_triton  # noqa: E402
+from engine.kernels.triton.cache_write import write_kv_cache_triton  # noqa: E402
+from engine.kernels.triton.kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton  # noqa: E402
+from engine.kernels.triton.paged_attention import paged_attention_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -179,7 +179,7 @@ def test_paged_attention_fp8(
     seq_lens: list[int],
     dtype: torch.dtype,
 ) -> None:
-    from kernels.fp8 import quantize_per_head
+    from engine.kernels.fp8 import quantize_per_head
 
     torch.manual_seed(4)
     num_heads, num_kv_heads, head_dim, block_size = 6, 3, 16, 8
@@ -213,7 +213,7 @@ def test_paged_attention_fp8(
 
 
 def test_pack_and_unpack_fp8_as_bytes() -> None:
-    from kernels import pack_kv_blocks, unpack_kv_blocks
+    from engine.kernels import pack_kv_blocks, unpack_kv_blocks
 
     torch.manual_seed(5)
     flat = (torch.randn(2, 2, 10, 8, 3, 16) * 50).to(FP8).to(DEVICE)

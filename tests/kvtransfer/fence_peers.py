@@ -17,8 +17,8 @@ from multiprocessing.connection import Connection
 import numpy as np
 from kvt_peers import source_cache
 
+from engine.kernels.rowcopy import block_rows
 from engine.kv_cache import KVCacheSpec
-from kernels.rowcopy import block_rows
 from kvtransfer import TransferOptions
 from kvtransfer.base import Ticket
 from kvtransfer.datapath import LayerItem

@@ -24,8 +24,8 @@ from multiprocessing.process import BaseProcess
 import numpy as np
 import torch
 
+from engine.kernels.rowcopy import block_rows
 from engine.kv_cache import KVCache, KVCacheSpec
-from kernels.rowcopy import block_rows
 from kvtransfer import (
     KVTransferError,
     Receiver,

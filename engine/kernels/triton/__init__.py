@@ -2,5 +2,5 @@
 
 Triton is optional: nothing here is imported until a public kernel sees a CUDA tensor,
 and the modules import `triton` themselves. On the CPU they run under `TRITON_INTERPRET=1`
-(tests only). The host wrappers in `kernels/` check arguments before calling in here.
+(tests only). The host wrappers in `engine/kernels/` check arguments before calling in here.
 """

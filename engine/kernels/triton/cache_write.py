@@ -78,7 +78,7 @@ def write_kv_cache_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """`kernels.cache_write.write_kv_cache` in Triton; arguments already checked."""
+    """`engine.kernels.cache_write.write_kv_cache` in Triton; arguments already checked."""
     num_tokens, num_kv_heads, head_dim = key.shape
     is_fp8 = k_scale is not None and v_scale is not None
     _cache_write_kernel[(num_tokens,)](

@@ -2,15 +2,20 @@
 
 A token's slot is `block_id * block_size + offset`; the model runner computes them
 (`AttentionMetadata.slot_mapping`) so this kernel is one scatter per tensor. An FP8 cache
-(`kernels.fp8`) quantizes on the way in, with one scale per KV head.
+(`engine.kernels.fp8`) quantizes on the way in, with one scale per KV head.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._checks import FLOAT_DTYPES, check_index, check_kv_caches, check_slots_flattenable
-from kernels.fp8 import as_bytes, check_kv_scales, is_fp8, quantize_per_head
+from engine.kernels._checks import (
+    FLOAT_DTYPES,
+    check_index,
+    check_kv_caches,
+    check_slots_flattenable,
+)
+from engine.kernels.fp8 import as_bytes, check_kv_scales, is_fp8, quantize_per_head
 
 
 def _check_cache_write(
@@ -69,7 +74,7 @@ def write_kv_cache(
     if key.shape[0] == 0:
         return
     if k_cache.is_cuda:
-        from kernels.triton.cache_write import write_kv_cache_triton
+        from engine.kernels.triton.cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return

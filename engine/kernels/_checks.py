@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.fp8 import KV_CACHE_DTYPES
+from engine.kernels.fp8 import KV_CACHE_DTYPES
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -1,15 +1,15 @@
 """kernels package of pdserve."""
 
-from kernels.cache_write import write_kv_cache, write_kv_cache_ref
-from kernels.kv_pack import (
+from engine.kernels.cache_write import write_kv_cache, write_kv_cache_ref
+from engine.kernels.kv_pack import (
     pack_kv_blocks,
     pack_kv_blocks_ref,
     packed_shape,
     unpack_kv_blocks,
     unpack_kv_blocks_ref,
 )
-from kernels.metadata import AttentionMetadata
-from kernels.paged_attention import paged_attention, paged_attention_ref
+from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.paged_attention import paged_attention, paged_attention_ref
 
 __all__ = [
     "AttentionMetadata",

@@ -10,7 +10,7 @@ the queries as `[num_seqs, kvH, group, D]` so each kv head serves its whole quer
 call SDPA's fused CPU kernel with a padding mask. Prefill sequences run one by one through
 the same kernel with native GQA and an offset causal mask (no K/V repeat copies anywhere).
 
-An FP8 cache (`kernels.fp8`) is read through its per-head scales without a dequantizing
+An FP8 cache (`engine.kernels.fp8`) is read through its per-head scales without a dequantizing
 pass: FP8 values convert exactly to the query's dtype, the K scale is folded into each
 head's query (`q·(s·k) = (s·q)·k`) and the V scale applied to each head's output
 (attention is linear in V).
@@ -23,9 +23,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels._checks import FLOAT_DTYPES, check_kv_caches
-from kernels.fp8 import check_kv_scales, dequantize_per_head, is_fp8
-from kernels.metadata import AttentionMetadata
+from engine.kernels._checks import FLOAT_DTYPES, check_kv_caches
+from engine.kernels.fp8 import check_kv_scales, dequantize_per_head, is_fp8
+from engine.kernels.metadata import AttentionMetadata
 
 
 def _check_paged_attention(
@@ -88,7 +88,7 @@ def paged_attention(
     """
     _check_paged_attention(query, k_cache, v_cache, metadata, k_scale, v_scale)
     if query.is_cuda:
-        from kernels.triton.paged_attention import paged_attention_triton
+        from engine.kernels.triton.paged_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, metadata, scale, k_scale, v_scale)
     if query.shape[0] == 0:

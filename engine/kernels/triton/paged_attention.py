@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.metadata import AttentionMetadata
+from engine.kernels.metadata import AttentionMetadata
 
 
 @triton.jit
@@ -161,7 +161,7 @@ def paged_attention_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`kernels.paged_attention.paged_attention` in Triton; arguments already checked."""
+    """`engine.kernels.paged_attention.paged_attention` in Triton; arguments already checked."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._checks import as_block_ids, check_kv_caches
-from kernels.fp8 import as_bytes
+from engine.kernels._checks import as_block_ids, check_kv_caches
+from engine.kernels.fp8 import as_bytes
 
 
 def packed_shape(k_cache: torch.Tensor, num_ids: int) -> tuple[int, ...]:
@@ -60,7 +60,7 @@ def pack_kv_blocks(
     if ids.shape[0] == 0:
         return out
     if k_cache.is_cuda:
-        from kernels.triton.kv_pack import pack_kv_blocks_triton
+        from engine.kernels.triton.kv_pack import pack_kv_blocks_triton
 
         pack_kv_blocks_triton(as_bytes(k_cache), as_bytes(v_cache), ids, as_bytes(out))
         return out
@@ -90,7 +90,7 @@ def unpack_kv_blocks(
     if ids.shape[0] == 0:
         return
     if k_cache.is_cuda:
-        from kernels.triton.kv_pack import unpack_kv_blocks_triton
+        from engine.kernels.triton.kv_pack import unpack_kv_blocks_triton
 
         unpack_kv_blocks_triton(as_bytes(buffer), as_bytes(k_cache), as_bytes(v_cache), ids)
         return

@@ -81,12 +81,12 @@ def _launch(
 def pack_kv_blocks_triton(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor
 ) -> None:
-    """`kernels.kv_pack.pack_kv_blocks` in Triton; `out` is contiguous and checked."""
+    """`engine.kernels.kv_pack.pack_kv_blocks` in Triton; `out` is contiguous and checked."""
     _launch(k_cache, v_cache, out, block_ids, pack=True)
 
 
 def unpack_kv_blocks_triton(
     buffer: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
 ) -> None:
-    """`kernels.kv_pack.unpack_kv_blocks` in Triton; arguments already checked."""
+    """`engine.kernels.kv_pack.unpack_kv_blocks` in Triton; arguments already checked."""
     _launch(k_cache, v_cache, buffer.contiguous(), block_ids, pack=False)
