@@ -219,7 +219,7 @@ class Frontend:
         # the tokens it sends to a pool), before shedding, so a prompt the prefill pool would
         # be late for is prefilled locally rather than refused.
         route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
-        route = self.overflow.apply(route, len(prompt_token_ids), tenant, n)
+        route = self.overflow.apply(route, len(prompt_token_ids), tenant, n, params.max_tokens)
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)

@@ -265,6 +265,16 @@ class AdaptivePrefillSettings(_Strict):
         "a pool busy with prompts (the prefill-bound case, where disaggregation pays) keeps "
         "to them.",
     )
+    serve_whole_max_output_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="A request placed on a prefill pool with `serves_decode` that asks for at "
+        "most this many new tokens (max_tokens) is served whole there: its prompt computes "
+        "there anyway, and for a few tokens the KV hand-off (a second replica call, blocks "
+        "reserved on the decode replica, the KV bytes, a long context joining the decode "
+        "batch) costs more than decoding them in place. 0 = off (every placed prompt's KV "
+        "moves to its decode pool).",
+    )
     decode_overflow_max_prompt_tokens: int = Field(
         default=256,
         ge=0,

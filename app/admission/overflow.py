@@ -35,6 +35,13 @@ the ones this ingress sent (from the send until the request's first output comes
 is exact and immediate) or, for each replica, the ones it reports queued (other ingress
 replicas' too, a stats period late).
 
+Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request the
+router and adaptive disaggregation placed on a prefill pool with `serves_decode`, asking for
+at most that many new tokens, is served whole there whatever the loads. Its prompt computes
+there anyway; for a few tokens the KV hand-off (a second replica call, blocks reserved on
+the decode replica, the bytes, a long context joining the decode batch) costs more than
+decoding them in place.
+
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
 up to a stats period; the sequences this ingress replica sent to a pool since its snapshot
@@ -122,6 +129,7 @@ class DecodeOverflow:
         self._running: Counter[str] = Counter()  # pool -> this replica's sequences there
         self._max_prompt_tokens = config.adaptive_prefill.decode_overflow_max_prompt_tokens
         self._prompts: Counter[str] = Counter()  # pool -> prompt tokens computing there
+        self._max_whole_output = config.adaptive_prefill.serve_whole_max_output_tokens
 
     def started(self, pool: str, num_sequences: int) -> None:
         """The ingress started `num_sequences` streams on `pool` (its decode pool, or the
@@ -160,13 +168,24 @@ class DecodeOverflow:
         return [pool.name for pool in self._serving]
 
     def apply(
-        self, route: RouteDecision, num_prompt_tokens: int, tenant: str, num_sequences: int = 1
+        self,
+        route: RouteDecision,
+        num_prompt_tokens: int,
+        tenant: str,
+        num_sequences: int = 1,
+        max_tokens: int | None = None,
     ) -> RouteDecision:
         """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
-        the gap, its reason extended with the figures; `num_sequences`: the request's `n`."""
+        the gap, or onto its own prefill pool when it asks for few tokens (`max_tokens`, see
+        `serve_whole_max_output_tokens`), its reason extended with the figures;
+        `num_sequences`: the request's `n`."""
         if not self._serving:
             return route
         now = self._clock()
+        short = self._short_output(route, max_tokens)
+        if short is not None:
+            self._sent.add(short.decode_pool, num_sequences, now)
+            return short
         snapshot = self._fresh(route.decode_pool, now)
         decode = None if snapshot is None else self._least(route.decode_pool, snapshot)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
@@ -188,6 +207,25 @@ class DecodeOverflow:
         self._sent.add(choice.pool, num_sequences, now)
         return dataclasses.replace(
             route, decode_pool=choice.pool, prefill_pool=None, local_prefill=True, reason=reason
+        )
+
+    def _short_output(self, route: RouteDecision, max_tokens: int | None) -> RouteDecision | None:
+        """`route` served whole on its prefill pool, when that pool serves decode and the
+        request asks for at most `serve_whole_max_output_tokens` new tokens (the router
+        already checked the pool's context range and the tenant); None otherwise."""
+        pool = route.prefill_pool
+        limit = self._max_whole_output
+        if pool is None or max_tokens is None or not 0 < max_tokens <= limit:
+            return None
+        if pool not in {p.name for p in self._serving}:
+            return None
+        why = f"short output: max_tokens {max_tokens} <= {limit} -> served whole on {pool}"
+        return dataclasses.replace(
+            route,
+            decode_pool=pool,
+            prefill_pool=None,
+            local_prefill=True,
+            reason=f"{route.reason}; {why}",
         )
 
     def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:

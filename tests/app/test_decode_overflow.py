@@ -128,6 +128,41 @@ def test_apply_moves_the_whole_request_and_says_why() -> None:
         )
 
 
+def test_a_short_output_is_served_whole_where_its_prompt_computes() -> None:
+    """With `serve_whole_max_output_tokens`, a prompt placed on a serving prefill pool that
+    asks for that few tokens is served whole there, whatever the loads (none published
+    here); more tokens, a local route or the setting off leave the route to the loads."""
+    loads = Loads()
+    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    assert route == RouteDecision(
+        None,
+        "prefill",
+        True,
+        0,
+        f"{REMOTE.reason}; short output: max_tokens 16 <= 16 -> served whole on prefill",
+    )
+    assert overflow.apply(REMOTE, 900, "", max_tokens=17).prefill_pool == "prefill"
+    assert overflow.apply(LOCAL, 40, "", max_tokens=4).decode_pool == "decode"
+    assert loads.overflow().apply(REMOTE, 900, "", max_tokens=1).prefill_pool == "prefill"
+    unserving = config(serves_decode=False, adaptive_prefill={"serve_whole_max_output_tokens": 16})
+    assert loads.overflow(unserving).apply(REMOTE, 900, "", max_tokens=1) == REMOTE
+
+
+def test_a_short_output_counts_as_a_stream_on_the_prefill_pool() -> None:
+    """The whole request joins the prefill pool's figure, so a burst of chat turns right
+    after it overflows to the decode pool's side first."""
+    loads = Loads()
+    loads.publish("decode", 1)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
+    overflow.apply(REMOTE, 900, "", max_tokens=8)
+    overflow.apply(REMOTE, 900, "", max_tokens=8)
+    route = overflow.apply(LOCAL, 40, "", max_tokens=64)
+    assert route.decode_pool == "decode", route.reason
+    assert "decode load 2.0 on decode vs 3.0 on prefill" in route.reason
+
+
 def test_apply_keeps_the_route_while_decode_has_room() -> None:
     loads = Loads()
     loads.publish("decode", 2, 7)  # the least loaded decode replica counts

@@ -38,6 +38,7 @@ MODEL = "pdserve-tiny"
 THRESHOLD = 32
 MAX_TOKENS = 24
 BURST = 8
+SHORT_OUTPUT = 8  # serve_whole_max_output_tokens: fewer than MAX_TOKENS
 LOADS_TIMEOUT_S = 60.0  # until the ingress has seen both pools' loads
 LONG_TOKENS = 600  # the drill's streams: still running when the replica is killed
 RESTART_TIMEOUT_S = 180.0  # Serve notices the dead replica and starts another within this
@@ -54,7 +55,12 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
         "local_prefill_threshold": THRESHOLD,
         "limits": {"max_prompt_tokens": 1024, "max_output_tokens": LONG_TOKENS},
         # Loads stay usable for the whole of a slow test run.
-        "adaptive_prefill": {"enabled": True, "max_age_s": 30.0, "decode_overflow_gap": 2},
+        "adaptive_prefill": {
+            "enabled": True,
+            "max_age_s": 30.0,
+            "decode_overflow_gap": 2,
+            "serve_whole_max_output_tokens": SHORT_OUTPUT,
+        },
     }
 
 
@@ -107,6 +113,29 @@ def test_a_burst_overflows_onto_the_prefill_replica(server: Server, hf: HFGreedy
     moved = [d for d in recent if d["decode_pool"] == "prefill"]
     assert len(moved) == len(overflowed)
     assert all(d["local_prefill"] and d["prefill_pool"] is None for d in moved)
+
+
+def test_a_short_output_is_served_whole_on_the_prefill_replica(
+    server: Server, hf: HFGreedy
+) -> None:
+    """A long prompt asking for at most `serve_whole_max_output_tokens` is prefilled and
+    decoded on the prefill replica: no KV moves to the decode replica, and its tokens equal
+    `transformers`' greedy output."""
+    prompt = "a document of some length to be summed up in a few words: " * 4
+    prefill_before, decode_before = counters(server, "prefill"), counters(server, "decode")
+    raw = server.openai().completions.with_raw_response.create(
+        model=MODEL, prompt=prompt, max_tokens=SHORT_OUTPUT, temperature=0
+    )
+    route = raw.headers["x-pdserve-route"]
+    assert "-> pool prefill" in route, route
+    assert route.endswith(
+        f"short output: max_tokens {SHORT_OUTPUT} <= {SHORT_OUTPUT} -> served whole on prefill"
+    ), route
+    assert raw.parse().choices[0].text == hf.complete(prompt, SHORT_OUTPUT).text
+    prefill_after, decode_after = counters(server, "prefill"), counters(server, "decode")
+    assert prefill_after["whole_requests"] - prefill_before["whole_requests"] == 1
+    for name in ("remote_prefill", "local_prefill"):  # nothing reached the decode replica
+        assert decode_after[name] == decode_before[name], name
 
 
 # ---- drill: the prefill replica dies while it serves whole requests --------------------
