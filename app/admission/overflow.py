@@ -182,10 +182,12 @@ class DecodeOverflow:
         if not self._serving:
             return route
         now = self._clock()
-        short = self._short_output(route, max_tokens)
-        if short is not None:
-            self._sent.add(short.decode_pool, num_sequences, now)
-            return short
+        if self._short_output(route, max_tokens):
+            target = route.prefill_pool
+            assert target is not None  # checked by _short_output
+            why = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
+            why += f" -> served whole on {target}"
+            return self._served_whole(route, target, why, num_sequences, now)
         snapshot = self._fresh(route.decode_pool, now)
         decode = None if snapshot is None else self._least(route.decode_pool, snapshot)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
@@ -204,29 +206,25 @@ class DecodeOverflow:
             if route.prefill_pool is not None:  # its prompt is computed there meanwhile
                 self._sent.add(route.prefill_pool, num_sequences, now)
             return dataclasses.replace(route, reason=reason)
-        self._sent.add(choice.pool, num_sequences, now)
+        return self._served_whole(route, choice.pool, choice.reason, num_sequences, now)
+
+    def _served_whole(
+        self, route: RouteDecision, pool: str, why: str, num_sequences: int, now: float
+    ) -> RouteDecision:
+        """`route` moved whole onto `pool` (counted as sent there), `why` ending its reason."""
+        self._sent.add(pool, num_sequences, now)
+        reason = f"{route.reason}; {why}"
         return dataclasses.replace(
-            route, decode_pool=choice.pool, prefill_pool=None, local_prefill=True, reason=reason
+            route, decode_pool=pool, prefill_pool=None, local_prefill=True, reason=reason
         )
 
-    def _short_output(self, route: RouteDecision, max_tokens: int | None) -> RouteDecision | None:
-        """`route` served whole on its prefill pool, when that pool serves decode and the
+    def _short_output(self, route: RouteDecision, max_tokens: int | None) -> bool:
+        """True when `route` places the prompt on a prefill pool that serves decode and the
         request asks for at most `serve_whole_max_output_tokens` new tokens (the router
-        already checked the pool's context range and the tenant); None otherwise."""
-        pool = route.prefill_pool
-        limit = self._max_whole_output
-        if pool is None or max_tokens is None or not 0 < max_tokens <= limit:
-            return None
-        if pool not in {p.name for p in self._serving}:
-            return None
-        why = f"short output: max_tokens {max_tokens} <= {limit} -> served whole on {pool}"
-        return dataclasses.replace(
-            route,
-            decode_pool=pool,
-            prefill_pool=None,
-            local_prefill=True,
-            reason=f"{route.reason}; {why}",
-        )
+        already checked the pool's context range and the tenant)."""
+        if route.prefill_pool is None or max_tokens is None:
+            return False
+        return 0 < max_tokens <= self._max_whole_output and route.prefill_pool in self.pools
 
     def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:
         """The pool's snapshot if it has replicas reporting sequences and is recent."""
