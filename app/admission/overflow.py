@@ -37,10 +37,14 @@ replicas' too, a stats period late).
 
 Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request the
 router and adaptive disaggregation placed on a prefill pool with `serves_decode`, asking for
-at most that many new tokens, is served whole there whatever the loads. Its prompt computes
-there anyway; for a few tokens the KV hand-off (a second replica call, blocks reserved on
-the decode replica, the bytes, a long context joining the decode batch) costs more than
-decoding them in place.
+at most that many new tokens, is served whole there unless a new stream meets a higher
+decode load there than on the decode pool's least loaded replica (ties and unknown loads
+stay whole; the prompt limits on candidates do not apply, as the prompt computes there
+either way). Its prompt computes there anyway; for a few tokens the KV hand-off (a second
+replica call, blocks reserved on the decode replica, the bytes, a long context joining the
+decode batch) costs more than decoding them in place, unless that replica's time goes to
+prompts: its streams then stall behind each chunk (long-context, RAG-like load: served
+whole regardless, 53 of 82 such requests missed a 15 ms TPOT; BENCHMARKS.md).
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
@@ -177,19 +181,15 @@ class DecodeOverflow:
     ) -> RouteDecision:
         """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
         the gap, or onto its own prefill pool when it asks for few tokens (`max_tokens`, see
-        `serve_whole_max_output_tokens`), its reason extended with the figures;
+        `serve_whole_max_output_tokens`) and its load there is no higher, its reason
+        extended with the figures;
         `num_sequences`: the request's `n`."""
         if not self._serving:
             return route
         now = self._clock()
         if self._short_output(route, max_tokens):
-            target = route.prefill_pool
-            assert target is not None  # checked by _short_output
-            why = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
-            why += f" -> served whole on {target}"
-            return self._served_whole(route, target, why, num_sequences, now)
-        snapshot = self._fresh(route.decode_pool, now)
-        decode = None if snapshot is None else self._least(route.decode_pool, snapshot)
+            return self._place_short_output(route, max_tokens, num_sequences, now)
+        decode = self._load(route.decode_pool, now)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         if decode is not None:
             allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
@@ -200,13 +200,38 @@ class DecodeOverflow:
                 if pool.name in allowed and low <= num_prompt_tokens <= high and seen:
                     candidates[pool.name] = self._least(pool.name, seen, candidate=True)
             choice = choose_overflow(decode, candidates, self._gap)
-        reason = f"{route.reason}; {choice.reason}"
         if choice.pool is None:
-            self._sent.add(route.decode_pool, num_sequences, now)
-            if route.prefill_pool is not None:  # its prompt is computed there meanwhile
-                self._sent.add(route.prefill_pool, num_sequences, now)
-            return dataclasses.replace(route, reason=reason)
+            return self._stands(route, choice.reason, num_sequences, now)
         return self._served_whole(route, choice.pool, choice.reason, num_sequences, now)
+
+    def _place_short_output(
+        self, route: RouteDecision, max_tokens: int | None, num_sequences: int, now: float
+    ) -> RouteDecision:
+        """A short output placed on a serving prefill pool (`_short_output`): served whole
+        there unless a new stream meets a higher decode load there than on the decode pool
+        (ties, and loads unknown, stay whole: the hand-off itself costs)."""
+        pool = route.prefill_pool
+        assert pool is not None  # checked by _short_output
+        short = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
+        whole, decode = self._load(pool, now), self._load(route.decode_pool, now)
+        if whole is not None and decode is not None:
+            figures = f"decode load {whole:.1f} on {pool} vs {decode:.1f} on {route.decode_pool}"
+            if whole > decode:
+                why = f"{short}, but {figures}: route stands"
+                return self._stands(route, why, num_sequences, now)
+            short += f", {figures}"
+        return self._served_whole(
+            route, pool, f"{short} -> served whole on {pool}", num_sequences, now
+        )
+
+    def _stands(
+        self, route: RouteDecision, why: str, num_sequences: int, now: float
+    ) -> RouteDecision:
+        """`route` unchanged (counted as sent to its pools), `why` ending its reason."""
+        self._sent.add(route.decode_pool, num_sequences, now)
+        if route.prefill_pool is not None:  # its prompt is computed there meanwhile
+            self._sent.add(route.prefill_pool, num_sequences, now)
+        return dataclasses.replace(route, reason=f"{route.reason}; {why}")
 
     def _served_whole(
         self, route: RouteDecision, pool: str, why: str, num_sequences: int, now: float
@@ -225,6 +250,12 @@ class DecodeOverflow:
         if route.prefill_pool is None or max_tokens is None:
             return False
         return 0 < max_tokens <= self._max_whole_output and route.prefill_pool in self.pools
+
+    def _load(self, pool: str, now: float) -> float | None:
+        """The decode load of the pool's least loaded replica (`_least`), None without a
+        recent snapshot."""
+        snapshot = self._fresh(pool, now)
+        return None if snapshot is None else self._least(pool, snapshot)
 
     def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:
         """The pool's snapshot if it has replicas reporting sequences and is recent."""

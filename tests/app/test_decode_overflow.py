@@ -130,8 +130,9 @@ def test_apply_moves_the_whole_request_and_says_why() -> None:
 
 def test_a_short_output_is_served_whole_where_its_prompt_computes() -> None:
     """With `serve_whole_max_output_tokens`, a prompt placed on a serving prefill pool that
-    asks for that few tokens is served whole there, whatever the loads (none published
-    here); more tokens, a local route or the setting off leave the route to the loads."""
+    asks for that few tokens is served whole there while no load says otherwise (none
+    published here); more tokens, a local route or the setting off leave the route to the
+    loads."""
     loads = Loads()
     overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
     route = overflow.apply(REMOTE, 900, "", max_tokens=16)
@@ -161,6 +162,32 @@ def test_a_short_output_counts_as_a_stream_on_the_prefill_pool() -> None:
     route = overflow.apply(LOCAL, 40, "", max_tokens=64)
     assert route.decode_pool == "decode", route.reason
     assert "decode load 2.0 on decode vs 3.0 on prefill" in route.reason
+
+
+def test_a_short_output_goes_where_a_stream_meets_the_lower_load() -> None:
+    """A prefill replica whose time goes to prompts stalls its streams behind their chunks:
+    while a new stream meets a higher decode load there than on the decode pool, a short
+    output is handed off as any placed prompt; a tie stays whole (the hand-off costs)."""
+    loads = Loads()
+    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
+    loads.publish("decode", 1)  # load 2
+    loads.publish("prefill", 0, prompt_busy=0.75)  # load 4
+    assert overflow.apply(REMOTE, 900, "", max_tokens=16) == RouteDecision(
+        "prefill",
+        "decode",
+        False,
+        0,
+        f"{REMOTE.reason}; short output: max_tokens 16 <= 16, but decode load 4.0 on "
+        "prefill vs 2.0 on decode: route stands",
+    )
+    loads.publish("decode", 3)  # load 4
+    loads.publish("prefill", 0, prompt_busy=0.75)
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    assert route.decode_pool == "prefill" and route.prefill_pool is None, route.reason
+    assert route.reason.endswith(
+        "short output: max_tokens 16 <= 16, decode load 4.0 on prefill vs 4.0 on decode "
+        "-> served whole on prefill"
+    )
 
 
 def test_apply_keeps_the_route_while_decode_has_room() -> None:
