@@ -38,13 +38,15 @@ replicas' too, a stats period late).
 Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request the
 router and adaptive disaggregation placed on a prefill pool with `serves_decode`, asking for
 at most that many new tokens, is served whole there unless a new stream meets a higher
-decode load there than on the decode pool's least loaded replica (ties and unknown loads
-stay whole; the prompt limits on candidates do not apply, as the prompt computes there
-either way). Its prompt computes there anyway; for a few tokens the KV hand-off (a second
-replica call, blocks reserved on the decode replica, the bytes, a long context joining the
-decode batch) costs more than decoding them in place, unless that replica's time goes to
-prompts: its streams then stall behind each chunk (long-context, RAG-like load: served
-whole regardless, 53 of 82 such requests missed a 15 ms TPOT; BENCHMARKS.md).
+decode load there than on the decode pool's least loaded replica (compared as printed, to
+one decimal: ties and unknown loads stay whole; the prompt limits on candidates do not
+apply, as the prompt computes there either way); otherwise the comparison above decides,
+as for any placed prompt. Its prompt computes there anyway; for a few tokens the KV
+hand-off (a second replica call, blocks reserved on the decode replica, the bytes, a long
+context joining the decode batch) costs more than decoding them in place, unless that
+replica's time goes to prompts: its streams then stall behind each chunk (long-context,
+RAG-like load: served whole regardless, 53 of 82 such requests missed a 15 ms TPOT;
+BENCHMARKS.md).
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
@@ -181,14 +183,18 @@ class DecodeOverflow:
     ) -> RouteDecision:
         """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
         the gap, or onto its own prefill pool when it asks for few tokens (`max_tokens`, see
-        `serve_whole_max_output_tokens`) and its load there is no higher, its reason
-        extended with the figures;
+        `serve_whole_max_output_tokens`) and its load there is no higher (else the load
+        rule decides), its reason extended with the figures;
         `num_sequences`: the request's `n`."""
         if not self._serving:
             return route
         now = self._clock()
         if self._short_output(route, max_tokens):
-            return self._place_short_output(route, max_tokens, num_sequences, now)
+            whole, why = self._short_output_whole(route, max_tokens, now)
+            if whole:
+                assert route.prefill_pool is not None  # checked by _short_output
+                return self._served_whole(route, route.prefill_pool, why, num_sequences, now)
+            route = dataclasses.replace(route, reason=f"{route.reason}; {why}")
         decode = self._load(route.decode_pool, now)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         if decode is not None:
@@ -204,25 +210,22 @@ class DecodeOverflow:
             return self._stands(route, choice.reason, num_sequences, now)
         return self._served_whole(route, choice.pool, choice.reason, num_sequences, now)
 
-    def _place_short_output(
-        self, route: RouteDecision, max_tokens: int | None, num_sequences: int, now: float
-    ) -> RouteDecision:
-        """A short output placed on a serving prefill pool (`_short_output`): served whole
-        there unless a new stream meets a higher decode load there than on the decode pool
-        (ties, and loads unknown, stay whole: the hand-off itself costs)."""
+    def _short_output_whole(
+        self, route: RouteDecision, max_tokens: int | None, now: float
+    ) -> tuple[bool, str]:
+        """Whether a short output placed on a serving prefill pool (`_short_output`) is
+        served whole there, and why: yes unless a new stream meets a higher decode load
+        there than on the decode pool, compared as printed (one decimal: ties and unknown
+        loads stay whole, as the hand-off itself costs); if not, the load rule decides."""
         pool = route.prefill_pool
-        assert pool is not None  # checked by _short_output
         short = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
-        whole, decode = self._load(pool, now), self._load(route.decode_pool, now)
-        if whole is not None and decode is not None:
-            figures = f"decode load {whole:.1f} on {pool} vs {decode:.1f} on {route.decode_pool}"
-            if whole > decode:
-                why = f"{short}, but {figures}: route stands"
-                return self._stands(route, why, num_sequences, now)
-            short += f", {figures}"
-        return self._served_whole(
-            route, pool, f"{short} -> served whole on {pool}", num_sequences, now
-        )
+        whole, decode = self._load(str(pool), now), self._load(route.decode_pool, now)
+        if whole is None or decode is None:
+            return True, f"{short} -> served whole on {pool}"
+        figures = f"decode load {whole:.1f} on {pool} vs {decode:.1f} on {route.decode_pool}"
+        if round(whole, 1) > round(decode, 1):
+            return False, f"{short}, but {figures}"
+        return True, f"{short}, {figures} -> served whole on {pool}"
 
     def _stands(
         self, route: RouteDecision, why: str, num_sequences: int, now: float

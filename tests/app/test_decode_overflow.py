@@ -167,7 +167,9 @@ def test_a_short_output_counts_as_a_stream_on_the_prefill_pool() -> None:
 def test_a_short_output_goes_where_a_stream_meets_the_lower_load() -> None:
     """A prefill replica whose time goes to prompts stalls its streams behind their chunks:
     while a new stream meets a higher decode load there than on the decode pool, a short
-    output is handed off as any placed prompt; a tie stays whole (the hand-off costs)."""
+    output is left to the load rule as any placed prompt (here: the pool is too busy with
+    prompts to take it, so its KV is handed off and it counts on both pools); a tie as
+    printed stays whole (the hand-off costs)."""
     loads = Loads()
     overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
     loads.publish("decode", 1)  # load 2
@@ -178,16 +180,62 @@ def test_a_short_output_goes_where_a_stream_meets_the_lower_load() -> None:
         False,
         0,
         f"{REMOTE.reason}; short output: max_tokens 16 <= 16, but decode load 4.0 on "
-        "prefill vs 2.0 on decode: route stands",
+        "prefill vs 2.0 on decode; prefill pools prefill busy with prompts: route stands",
     )
+    assert (
+        "decode load 8.0 on prefill vs 3.0 on decode"
+        in overflow.apply(REMOTE, 900, "", max_tokens=16).reason
+    )  # the first counted on both pools
     loads.publish("decode", 3)  # load 4
-    loads.publish("prefill", 0, prompt_busy=0.75)
+    loads.publish("prefill", 0, prompt_busy=0.76)  # load 4.17, printed 4.2
+    assert overflow.apply(REMOTE, 900, "", max_tokens=16).decode_pool == "decode"
+    loads.publish("decode", 3)  # load 4 again (the last one counted there)
+    loads.publish("prefill", 0, prompt_busy=0.7505)  # load 4.008, printed 4.0: a tie
     route = overflow.apply(REMOTE, 900, "", max_tokens=16)
     assert route.decode_pool == "prefill" and route.prefill_pool is None, route.reason
     assert route.reason.endswith(
         "short output: max_tokens 16 <= 16, decode load 4.0 on prefill vs 4.0 on decode "
         "-> served whole on prefill"
     )
+
+
+def test_a_short_output_with_one_load_unknown_is_served_whole() -> None:
+    loads = Loads()
+    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
+    loads.publish("decode", 5)
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    assert route.decode_pool == "prefill" and route.reason.endswith(
+        "; short output: max_tokens 16 <= 16 -> served whole on prefill"
+    )
+
+
+def test_a_short_output_its_pool_would_stall_may_overflow_to_another() -> None:
+    """Two prefill pools serve decode: a short output placed on the one busy with prompts
+    is not served whole there, and the load rule moves it whole to the idle one."""
+    cfg = PDServeConfig.model_validate(
+        {
+            "pools": [
+                {"name": "prefill", "role": "prefill", "serves_decode": True},
+                {"name": "prefill-b", "role": "prefill", "serves_decode": True},
+                {"name": "decode", "role": "decode"},
+            ],
+            "adaptive_prefill": {
+                "serve_whole_max_output_tokens": 16,
+                "decode_overflow_gap": 0,
+                "decode_overflow_max_prompt_busy": 1,
+            },
+        }
+    )
+    loads = Loads()
+    loads.publish("decode", 3)  # load 4
+    loads.publish("prefill", 0, prompt_busy=0.8)  # load 5
+    loads.publish("prefill-b", 0)  # load 1
+    route = loads.overflow(cfg).apply(REMOTE, 900, "", max_tokens=16)
+    assert route.decode_pool == "prefill-b" and route.prefill_pool is None, route.reason
+    assert "short output: max_tokens 16 <= 16, but decode load 5.0 on prefill vs 4.0" in (
+        route.reason
+    )
+    assert route.reason.endswith("-> served whole on prefill-b")
 
 
 def test_apply_keeps_the_route_while_decode_has_room() -> None:

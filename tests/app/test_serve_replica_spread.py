@@ -73,7 +73,7 @@ def test_a_burst_spreads_over_the_replicas(server: Server, hf: HFGreedy) -> None
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
-            extra_body={"ignore_eos": True},  # `tiny` greedy can hit EOS in ~500 tokens
+            extra_body={"ignore_eos": True},  # `tiny` greedy hits EOS at 533-1298 tokens
         )
         text, first = "", True
         for chunk in stream:
