@@ -189,13 +189,13 @@ class DecodeOverflow:
         if not self._serving:
             return route
         now = self._clock()
-        if self._short_output(route, max_tokens):
-            whole, why = self._short_output_whole(route, max_tokens, now)
-            if whole:
-                assert route.prefill_pool is not None  # checked by _short_output
-                return self._served_whole(route, route.prefill_pool, why, num_sequences, now)
-            route = dataclasses.replace(route, reason=f"{route.reason}; {why}")
         decode = self._load(route.decode_pool, now)
+        home = self._short_output_pool(route, max_tokens)  # where its prompt computes
+        if home is not None:
+            whole, why = self._short_output_whole(home, max_tokens, route.decode_pool, decode, now)
+            if whole:
+                return self._served_whole(route, home, why, num_sequences, now)
+            route = dataclasses.replace(route, reason=f"{route.reason}; {why}")
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         if decode is not None:
             allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
@@ -211,18 +211,18 @@ class DecodeOverflow:
         return self._served_whole(route, choice.pool, choice.reason, num_sequences, now)
 
     def _short_output_whole(
-        self, route: RouteDecision, max_tokens: int | None, now: float
+        self, pool: str, max_tokens: int | None, decode_pool: str, decode: float | None, now: float
     ) -> tuple[bool, str]:
-        """Whether a short output placed on a serving prefill pool (`_short_output`) is
-        served whole there, and why: yes unless a new stream meets a higher decode load
-        there than on the decode pool, compared as printed (one decimal: ties and unknown
-        loads stay whole, as the hand-off itself costs); if not, the load rule decides."""
-        pool = route.prefill_pool
+        """Whether a short output placed on the serving prefill pool `pool`
+        (`_short_output_pool`) is served whole there, and why: yes unless a new stream
+        meets a higher decode load there than `decode` (its decode pool's, None: unknown),
+        compared as printed (one decimal: ties and unknown loads stay whole, as the hand-off
+        itself costs); if not, the load rule decides."""
         short = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
-        whole, decode = self._load(str(pool), now), self._load(route.decode_pool, now)
+        whole = self._load(pool, now)
         if whole is None or decode is None:
             return True, f"{short} -> served whole on {pool}"
-        figures = f"decode load {whole:.1f} on {pool} vs {decode:.1f} on {route.decode_pool}"
+        figures = f"decode load {whole:.1f} on {pool} vs {decode:.1f} on {decode_pool}"
         if round(whole, 1) > round(decode, 1):
             return False, f"{short}, but {figures}"
         return True, f"{short}, {figures} -> served whole on {pool}"
@@ -246,13 +246,14 @@ class DecodeOverflow:
             route, decode_pool=pool, prefill_pool=None, local_prefill=True, reason=reason
         )
 
-    def _short_output(self, route: RouteDecision, max_tokens: int | None) -> bool:
-        """True when `route` places the prompt on a prefill pool that serves decode and the
-        request asks for at most `serve_whole_max_output_tokens` new tokens (the router
-        already checked the pool's context range and the tenant)."""
-        if route.prefill_pool is None or max_tokens is None:
-            return False
-        return 0 < max_tokens <= self._max_whole_output and route.prefill_pool in self.pools
+    def _short_output_pool(self, route: RouteDecision, max_tokens: int | None) -> str | None:
+        """`route`'s prefill pool when it serves decode and the request asks for at most
+        `serve_whole_max_output_tokens` new tokens (the router already checked the pool's
+        context range and the tenant); None otherwise."""
+        pool = route.prefill_pool
+        if pool is None or max_tokens is None or pool not in self.pools:
+            return None
+        return pool if 0 < max_tokens <= self._max_whole_output else None
 
     def _load(self, pool: str, now: float) -> float | None:
         """The decode load of the pool's least loaded replica (`_least`), None without a
