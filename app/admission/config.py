@@ -268,15 +268,13 @@ class AdaptivePrefillSettings(_Strict):
     serve_whole_max_output_tokens: int = Field(
         default=0,
         ge=0,
-        description="A request placed on a prefill pool with `serves_decode` that asks for at "
-        "most this many new tokens (max_tokens) is served whole there unless a new stream "
-        "meets a higher decode load there than on its decode pool (ties and unknown loads: "
-        "served whole; otherwise decode overflow decides, as for any placed prompt): its "
-        "prompt computes there anyway, and for a few tokens the KV hand-off (a second "
-        "replica call, blocks reserved on the decode replica, the KV bytes, a long context "
-        "joining the decode batch) costs more than decoding them in place, unless that "
-        "replica's time goes to prompts (its streams stall behind their chunks). 0 = off "
-        "(every placed prompt's KV moves to its decode pool).",
+        description="A request asking for at most this many new tokens (max_tokens) is "
+        "placed as two colocated replicas would place it: whole, no KV hand-off, on the "
+        "decode pool (prefilled there) or on a prefill pool with `serves_decode`, whichever "
+        "has fewer requests in flight per replica (a tie: the prefill pool). For a few tokens "
+        "the hand-off buys nothing, and the decode replica would otherwise decode every "
+        "such request while the prefill replica only computes prompts "
+        "(`app/admission/overflow.py`). 0 = off.",
     )
     decode_overflow_max_prompt_tokens: int = Field(
         default=256,

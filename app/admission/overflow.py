@@ -35,18 +35,21 @@ the ones this ingress sent (from the send until the request's first output comes
 is exact and immediate) or, for each replica, the ones it reports queued (other ingress
 replicas' too, a stats period late).
 
-Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request the
-router and adaptive disaggregation placed on a prefill pool with `serves_decode`, asking for
-at most that many new tokens, is served whole there unless a new stream meets a higher
-decode load there than on the decode pool's least loaded replica (compared as printed, to
-one decimal: ties and unknown loads stay whole; the prompt limits on candidates do not
-apply, as the prompt computes there either way); otherwise the comparison above decides,
-as for any placed prompt. Its prompt computes there anyway; for a few tokens the KV
-hand-off (a second replica call, blocks reserved on the decode replica, the bytes, a long
-context joining the decode batch) costs more than decoding them in place, unless that
-replica's time goes to prompts: its streams then stall behind each chunk (long-context,
-RAG-like load: served whole regardless, 53 of 82 such requests missed a 15 ms TPOT;
-BENCHMARKS.md).
+Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request
+asking for at most that many new tokens is placed as two colocated replicas would place it,
+whatever adaptive disaggregation chose: whole (no KV hand-off) on the decode pool, which
+prefills it locally, or on a prefill pool with `serves_decode`, whichever has fewer requests
+in flight per replica (a tie goes to the prefill pool, keeping the prompt off the decode
+replica's streams). For a few tokens the hand-off (a second replica call, blocks reserved on
+the decode replica, the bytes) buys nothing, and the decode replica would decode every such
+request while the prefill replica only computes prompts: on a RAG-like load of long prompts
+and 16-token answers, at the `tiny` model's sizes decoding 16 tokens costs a replica about as
+much as the prompt, so adaptive disaggregation reached 0.84x colocated's goodput over six
+seeds (BENCHMARKS.md, `compare-long-context-10.json`). Requests in flight: what the pool's
+least loaded replica reports (`num_sequences`, prompts computing and streams) plus what this
+ingress sent since, and at least what it has running there, as Serve's router counts ongoing
+requests. A decode pool is a candidate only for prompts up to
+`adaptive_prefill.max_local_prompt_tokens`; without recent loads the rules below decide.
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
@@ -182,20 +185,17 @@ class DecodeOverflow:
         max_tokens: int | None = None,
     ) -> RouteDecision:
         """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
-        the gap, or onto its own prefill pool when it asks for few tokens (`max_tokens`, see
-        `serve_whole_max_output_tokens`) and its load there is no higher (else the load
-        rule decides), its reason extended with the figures;
-        `num_sequences`: the request's `n`."""
+        the gap; a short output (`max_tokens` at most `serve_whole_max_output_tokens`)
+        served whole where fewer requests are in flight. Its reason is extended with the
+        figures; `num_sequences`: the request's `n`."""
         if not self._serving:
             return route
         now = self._clock()
+        if self._is_short(max_tokens):
+            placed = self._place_short(route, num_prompt_tokens, tenant, max_tokens, now)
+            if placed is not None:
+                return self._served_whole(route, *placed, num_sequences, now)
         decode = self._load(route.decode_pool, now)
-        home = self._short_output_pool(route, max_tokens)  # where its prompt computes
-        if home is not None:
-            whole, why = self._short_output_whole(home, max_tokens, route.decode_pool, decode, now)
-            if whole:
-                return self._served_whole(route, home, why, num_sequences, now)
-            route = dataclasses.replace(route, reason=f"{route.reason}; {why}")
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         if decode is not None:
             allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
@@ -210,22 +210,38 @@ class DecodeOverflow:
             return self._stands(route, choice.reason, num_sequences, now)
         return self._served_whole(route, choice.pool, choice.reason, num_sequences, now)
 
-    def _short_output_whole(
-        self, pool: str, max_tokens: int | None, decode_pool: str, decode: float | None, now: float
-    ) -> tuple[bool, str]:
-        """Whether a short output placed on the serving prefill pool `pool`
-        (`_short_output_pool`) is served whole there, and why: yes unless a new stream
-        meets a higher decode load there than `decode` (its decode pool's, None: unknown),
-        compared as printed (one decimal: ties and unknown loads stay whole, as the hand-off
-        itself costs); if not, the load rule decides."""
+    def _place_short(
+        self,
+        route: RouteDecision,
+        num_prompt_tokens: int,
+        tenant: str,
+        max_tokens: int | None,
+        now: float,
+    ) -> tuple[str, str] | None:
+        """Where a short output is served whole (module docstring) and why: the candidate
+        pool with the fewest requests in flight per replica; None without a recent load of
+        the decode pool or of any serving prefill pool."""
         short = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
-        whole = self._load(pool, now)
-        if whole is None or decode is None:
-            return True, f"{short} -> served whole on {pool}"
-        figures = f"decode load {whole:.1f} on {pool} vs {decode:.1f} on {decode_pool}"
-        if round(whole, 1) > round(decode, 1):
-            return False, f"{short}, but {figures}"
-        return True, f"{short}, {figures} -> served whole on {pool}"
+        allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
+        covering = [
+            pool.name
+            for pool in self._serving
+            if pool.name in allowed
+            and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
+        ]
+        in_flight = {pool: self._in_flight(pool, now) for pool in covering}
+        loads = {pool: n for pool, n in in_flight.items() if n is not None}
+        local_limit = self._config.adaptive_prefill.max_local_prompt_tokens
+        decode = self._in_flight(route.decode_pool, now)
+        if not loads or (decode is None and num_prompt_tokens <= local_limit):
+            return None
+        pool, least = min(loads.items(), key=lambda item: item[1])
+        figures = ", ".join(f"{n:.1f} on {p}" for p, n in loads.items())
+        if decode is not None and num_prompt_tokens <= local_limit:
+            figures += f", {decode:.1f} on {route.decode_pool}"
+            if decode < least:
+                pool = route.decode_pool
+        return pool, f"{short}, in flight per replica {figures} -> served whole on {pool}"
 
     def _stands(
         self, route: RouteDecision, why: str, num_sequences: int, now: float
@@ -246,14 +262,9 @@ class DecodeOverflow:
             route, decode_pool=pool, prefill_pool=None, local_prefill=True, reason=reason
         )
 
-    def _short_output_pool(self, route: RouteDecision, max_tokens: int | None) -> str | None:
-        """`route`'s prefill pool when it serves decode and the request asks for at most
-        `serve_whole_max_output_tokens` new tokens (the router already checked the pool's
-        context range and the tenant); None otherwise."""
-        pool = route.prefill_pool
-        if pool is None or max_tokens is None or pool not in self.pools:
-            return None
-        return pool if 0 < max_tokens <= self._max_whole_output else None
+    def _is_short(self, max_tokens: int | None) -> bool:
+        """Whether the request asks for at most `serve_whole_max_output_tokens` new tokens."""
+        return max_tokens is not None and 0 < max_tokens <= self._max_whole_output
 
     def _load(self, pool: str, now: float) -> float | None:
         """The decode load of the pool's least loaded replica (`_least`), None without a
@@ -268,6 +279,22 @@ class DecodeOverflow:
             return None
         reporting = any(s.get("num_sequences") is not None for s in snapshot.replicas.values())
         return snapshot if reporting else None
+
+    def _in_flight(self, pool: str, now: float) -> float | None:
+        """Requests in flight on the pool's least loaded replica (module docstring, short
+        outputs); None without a recent snapshot."""
+        snapshot = self._fresh(pool, now)
+        if snapshot is None:
+            return None
+        num_replicas = len(snapshot.replicas)
+        extra = self._sent.since(pool, snapshot.updated_at) / num_replicas
+        running = self.running(pool) / num_replicas
+        reported = [
+            figure(s, "num_sequences")
+            for s in snapshot.replicas.values()
+            if s.get("num_sequences") is not None
+        ]
+        return max(min(reported) + extra, running)
 
     def _least(self, pool: str, snapshot: PoolSnapshot, candidate: bool = False) -> float | None:
         """The decode load of the pool's least loaded replica, counting the sequences this

@@ -6,6 +6,7 @@ replica."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -128,90 +129,98 @@ def test_apply_moves_the_whole_request_and_says_why() -> None:
         )
 
 
-def test_a_short_output_is_served_whole_where_its_prompt_computes() -> None:
-    """With `serve_whole_max_output_tokens`, a prompt placed on a serving prefill pool that
-    asks for that few tokens is served whole there while no load says otherwise (none
-    published here); more tokens, a local route or the setting off leave the route to the
-    loads."""
+SHORT = {"adaptive_prefill": {"serve_whole_max_output_tokens": 16}}
+
+
+def test_a_short_output_is_served_whole_where_fewer_requests_are_in_flight() -> None:
+    """With `serve_whole_max_output_tokens`, a request asking for that few tokens goes whole
+    to the pool with fewer requests in flight per replica, whatever the route said: to the
+    prefill pool from a local route, to the decode pool (prefilled there) from a remote one.
+    A tie goes to the prefill pool."""
     loads = Loads()
-    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
-    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    overflow = loads.overflow(config(**SHORT))
+    loads.publish("decode", 3)
+    loads.publish("prefill", 1)
+    route = overflow.apply(LOCAL, 40, "", max_tokens=16)
     assert route == RouteDecision(
         None,
         "prefill",
         True,
         0,
-        f"{REMOTE.reason}; short output: max_tokens 16 <= 16 -> served whole on prefill",
+        f"{LOCAL.reason}; short output: max_tokens 16 <= 16, in flight per replica 1.0 on "
+        "prefill, 3.0 on decode -> served whole on prefill",
     )
-    assert overflow.apply(REMOTE, 900, "", max_tokens=17).prefill_pool == "prefill"
-    assert overflow.apply(LOCAL, 40, "", max_tokens=4).decode_pool == "decode"
+    loads.publish("decode", 1)
+    loads.publish("prefill", 3)
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    assert route == RouteDecision(
+        None,
+        "decode",
+        True,
+        0,
+        f"{REMOTE.reason}; short output: max_tokens 16 <= 16, in flight per replica 3.0 on "
+        "prefill, 1.0 on decode -> served whole on decode",
+    )
+    loads.publish("decode", 2)
+    loads.publish("prefill", 2)
+    route = overflow.apply(REMOTE, 900, "", max_tokens=1)
+    assert route.decode_pool == "prefill" and route.prefill_pool is None, route.reason
+
+
+def test_longer_outputs_and_the_setting_off_leave_short_output_placement_out() -> None:
+    loads = Loads()
+    loads.publish("decode", 1)
+    loads.publish("prefill", 3)
+    assert loads.overflow(config(**SHORT)).apply(REMOTE, 900, "", max_tokens=17) == (
+        dataclasses.replace(
+            REMOTE,
+            reason=f"{REMOTE.reason}; decode load 2.0 on decode vs 4.0 on prefill: decode "
+            "not above by 2, route stands",
+        )
+    )
     assert loads.overflow().apply(REMOTE, 900, "", max_tokens=1).prefill_pool == "prefill"
-    unserving = config(serves_decode=False, adaptive_prefill={"serve_whole_max_output_tokens": 16})
+    unserving = config(serves_decode=False, **SHORT)
     assert loads.overflow(unserving).apply(REMOTE, 900, "", max_tokens=1) == REMOTE
 
 
-def test_a_short_output_counts_as_a_stream_on_the_prefill_pool() -> None:
-    """The whole request joins the prefill pool's figure, so a burst of chat turns right
-    after it overflows to the decode pool's side first."""
+def test_short_outputs_spread_as_they_are_sent() -> None:
+    """Each short output counts where it went until the next snapshot, so a burst
+    alternates between the pools as two colocated replicas would take it."""
     loads = Loads()
-    loads.publish("decode", 1)
+    loads.publish("decode", 0)
     loads.publish("prefill", 0)
-    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
-    overflow.apply(REMOTE, 900, "", max_tokens=8)
-    overflow.apply(REMOTE, 900, "", max_tokens=8)
-    route = overflow.apply(LOCAL, 40, "", max_tokens=64)
+    overflow = loads.overflow(config(**SHORT))
+    pools = [overflow.apply(REMOTE, 900, "", max_tokens=16).decode_pool for _ in range(6)]
+    assert pools == ["prefill", "decode"] * 3
+
+
+def test_a_short_output_counts_what_the_ingress_has_running() -> None:
+    """A snapshot older than this ingress's own streams cannot hide them."""
+    loads = Loads()
+    loads.publish("decode", 0)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow(config(**SHORT))
+    overflow.started("prefill", 2)
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
     assert route.decode_pool == "decode", route.reason
-    assert "decode load 2.0 on decode vs 3.0 on prefill" in route.reason
+    assert "in flight per replica 2.0 on prefill, 0.0 on decode" in route.reason
 
 
-def test_a_short_output_goes_where_a_stream_meets_the_lower_load() -> None:
-    """A prefill replica whose time goes to prompts stalls its streams behind their chunks:
-    while a new stream meets a higher decode load there than on the decode pool, a short
-    output is left to the load rule as any placed prompt (here: the pool is too busy with
-    prompts to take it, so its KV is handed off and it counts on both pools); a tie as
-    printed stays whole (the hand-off costs)."""
+def test_a_short_output_without_loads_is_left_to_the_rules() -> None:
+    """No recent load of the decode pool (here: none of either, then only the prefill
+    pool's): the placement does not guess; the route stands as the overflow rule says."""
     loads = Loads()
-    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
-    loads.publish("decode", 1)  # load 2
-    loads.publish("prefill", 0, prompt_busy=0.75)  # load 4
-    assert overflow.apply(REMOTE, 900, "", max_tokens=16) == RouteDecision(
-        "prefill",
-        "decode",
-        False,
-        0,
-        f"{REMOTE.reason}; short output: max_tokens 16 <= 16, but decode load 4.0 on "
-        "prefill vs 2.0 on decode; prefill pools prefill busy with prompts: route stands",
+    overflow = loads.overflow(config(**SHORT))
+    assert overflow.apply(REMOTE, 900, "", max_tokens=16) == dataclasses.replace(
+        REMOTE, reason=f"{REMOTE.reason}; no recent load of decode pool decode"
     )
-    assert (
-        "decode load 8.0 on prefill vs 3.0 on decode"
-        in overflow.apply(REMOTE, 900, "", max_tokens=16).reason
-    )  # the first counted on both pools
-    loads.publish("decode", 3)  # load 4
-    loads.publish("prefill", 0, prompt_busy=0.76)  # load 4.17, printed 4.2
-    assert overflow.apply(REMOTE, 900, "", max_tokens=16).decode_pool == "decode"
-    loads.publish("decode", 3)  # load 4 again (the last one counted there)
-    loads.publish("prefill", 0, prompt_busy=0.7505)  # load 4.008, printed 4.0: a tie
-    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
-    assert route.decode_pool == "prefill" and route.prefill_pool is None, route.reason
-    assert route.reason.endswith(
-        "short output: max_tokens 16 <= 16, decode load 4.0 on prefill vs 4.0 on decode "
-        "-> served whole on prefill"
-    )
+    loads.publish("prefill", 0)
+    assert overflow.apply(REMOTE, 900, "", max_tokens=16).prefill_pool == "prefill"
 
 
-def test_a_short_output_with_one_load_unknown_is_served_whole() -> None:
-    loads = Loads()
-    overflow = loads.overflow(config(adaptive_prefill={"serve_whole_max_output_tokens": 16}))
-    loads.publish("decode", 5)
-    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
-    assert route.decode_pool == "prefill" and route.reason.endswith(
-        "; short output: max_tokens 16 <= 16 -> served whole on prefill"
-    )
-
-
-def test_a_short_output_its_pool_would_stall_may_overflow_to_another() -> None:
-    """Two prefill pools serve decode: a short output placed on the one busy with prompts
-    is not served whole there, and the load rule moves it whole to the idle one."""
+def test_a_prompt_too_long_to_prefill_locally_chooses_among_prefill_pools() -> None:
+    """Over `max_local_prompt_tokens` the decode pool is no candidate: the short output
+    goes whole to the serving prefill pool with fewer requests in flight."""
     cfg = PDServeConfig.model_validate(
         {
             "pools": [
@@ -221,21 +230,21 @@ def test_a_short_output_its_pool_would_stall_may_overflow_to_another() -> None:
             ],
             "adaptive_prefill": {
                 "serve_whole_max_output_tokens": 16,
-                "decode_overflow_gap": 0,
-                "decode_overflow_max_prompt_busy": 1,
+                "max_local_prompt_tokens": 512,
             },
         }
     )
     loads = Loads()
-    loads.publish("decode", 3)  # load 4
-    loads.publish("prefill", 0, prompt_busy=0.8)  # load 5
-    loads.publish("prefill-b", 0)  # load 1
+    loads.publish("decode", 0)
+    loads.publish("prefill", 4)
+    loads.publish("prefill-b", 2)
     route = loads.overflow(cfg).apply(REMOTE, 900, "", max_tokens=16)
     assert route.decode_pool == "prefill-b" and route.prefill_pool is None, route.reason
-    assert "short output: max_tokens 16 <= 16, but decode load 5.0 on prefill vs 4.0" in (
-        route.reason
+    assert route.reason.endswith(
+        "in flight per replica 4.0 on prefill, 2.0 on prefill-b -> served whole on prefill-b"
     )
-    assert route.reason.endswith("-> served whole on prefill-b")
+    route = loads.overflow(cfg).apply(REMOTE, 500, "", max_tokens=16)
+    assert route.decode_pool == "decode", route.reason
 
 
 def test_apply_keeps_the_route_while_decode_has_room() -> None:

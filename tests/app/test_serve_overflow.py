@@ -116,40 +116,70 @@ def test_a_burst_overflows_onto_the_prefill_replica(server: Server, hf: HFGreedy
     assert all(d["local_prefill"] and d["prefill_pool"] is None for d in moved)
 
 
-def test_a_short_output_is_served_whole_on_the_prefill_replica(
+def test_short_outputs_are_served_whole_where_fewer_requests_are_in_flight(
     server: Server, hf: HFGreedy
 ) -> None:
-    """A long prompt asking for at most `serve_whole_max_output_tokens` is prefilled and
-    decoded on the prefill replica (no KV moves to the decode replica) unless the route
-    shows a higher decode load there than on the decode replica, and then its KV moves as
-    any placed prompt's. Sent until the ingress has both pools' loads (the figures in the
-    route); each answer's tokens equal `transformers`' greedy output, and each replica's
-    counters show the branch its route names."""
-    prompt = "a document of some length to be summed up in a few words: " * 4
+    """A long prompt asking for at most `serve_whole_max_output_tokens` is served whole (no
+    KV moves) on the pool with fewer requests in flight, as the route's figures say: on
+    the prefill replica, or prefilled locally on the decode replica. Sent one at a time
+    until the ingress has both pools' loads, then as a burst that spreads over both; each
+    answer's tokens equal `transformers`' greedy output, and the replicas' counters show
+    the branches the routes name."""
+    prompt = "a document of some length to be summed up in a few words: "
     short = rf"short output: max_tokens {SHORT_OUTPUT} <= {SHORT_OUTPUT}"
-    figures = r"decode load ([\d.]+) on prefill vs ([\d.]+) on decode"
+    placed = rf"{short}, in flight per replica ([\d.]+) on prefill, ([\d.]+) on decode"
+    placed += r" -> served whole on (prefill|decode)$"
 
-    def send() -> bool:
-        prefill_before, decode_before = counters(server, "prefill"), counters(server, "decode")
+    def ask(i: int) -> tuple[str, str, str]:
+        """(the prompt, the answer's text, its route)."""
+        text = f"{prompt}{i:04d} " * 4
         raw = server.openai().completions.with_raw_response.create(
-            model=MODEL, prompt=prompt, max_tokens=SHORT_OUTPUT, temperature=0
+            model=MODEL, prompt=text, max_tokens=SHORT_OUTPUT, temperature=0
         )
         route = raw.headers["x-pdserve-route"]
         assert "-> pool prefill" in route, route
-        assert raw.parse().choices[0].text == hf.complete(prompt, SHORT_OUTPUT).text
-        prefill_after, decode_after = counters(server, "prefill"), counters(server, "decode")
-        whole = prefill_after["whole_requests"] - prefill_before["whole_requests"]
-        remote = decode_after["remote_prefill"] - decode_before["remote_prefill"]
-        local = decode_after["local_prefill"] - decode_before["local_prefill"]
-        match = re.search(f"{short}, (?:but )?{figures}", route)
-        if match and float(match[1]) > float(match[2]):  # busier there: the KV moved
-            assert f"{short}, but " in route and (whole, remote, local) == (0, 1, 0), route
-        else:  # served whole: nothing reached the decode replica
-            assert route.endswith("-> served whole on prefill"), route
-            assert (whole, remote, local) == (1, 0, 0), route
-        return match is not None
+        return text, str(raw.parse().choices[0].text), route
 
-    wait_until(send, LOADS_TIMEOUT_S, "the ingress to see both pools' loads")
+    def check(answers: list[tuple[str, str, str]]) -> list[str]:
+        for text, answer, _ in answers:
+            assert answer == hf.complete(text, SHORT_OUTPUT).text, text
+        return [route for _, _, route in answers]
+
+    def branches(routes: list[str]) -> Counter[str]:
+        found: Counter[str] = Counter()
+        for route in routes:
+            match = re.search(placed, route)
+            assert match, route
+            on_prefill, on_decode = float(match[1]), float(match[2])
+            assert match[3] == ("decode" if on_decode < on_prefill else "prefill"), route
+            found[match[3]] += 1
+        return found
+
+    def counted(before: tuple[Counter[str], Counter[str]]) -> Counter[str]:
+        prefill, decode = counters(server, "prefill"), counters(server, "decode")
+        assert decode["remote_prefill"] == before[1]["remote_prefill"]  # no KV moved
+        whole = prefill["whole_requests"] - before[0]["whole_requests"]
+        local = decode["local_prefill"] - before[1]["local_prefill"]
+        return Counter({"prefill": whole, "decode": local}) - Counter()
+
+    sent: list[int] = []
+
+    def one() -> bool:
+        before = counters(server, "prefill"), counters(server, "decode")
+        sent.append(len(sent))
+        [route] = check([ask(sent[-1])])
+        if short not in route:  # no loads yet: placed as any prompt
+            return False
+        assert counted(before) == branches([route])
+        return True
+
+    wait_until(one, LOADS_TIMEOUT_S, "the ingress to see both pools' loads")
+    before = counters(server, "prefill"), counters(server, "decode")
+    with ThreadPoolExecutor(BURST) as pool:
+        routes = check(list(pool.map(ask, range(1000, 1000 + BURST))))
+    found = branches(routes)
+    assert counted(before) == found
+    assert found["decode"] and found["prefill"], routes
 
 
 # ---- drill: the prefill replica dies while it serves whole requests --------------------
