@@ -42,10 +42,11 @@ prefills it locally, or on a prefill pool with `serves_decode`, whichever has fe
 in flight per replica (a tie goes to the prefill pool, keeping the prompt off the decode
 replica's streams). For a few tokens the hand-off (a second replica call, blocks reserved on
 the decode replica, the bytes) buys nothing, and the decode replica would decode every such
-request while the prefill replica only computes prompts: on a RAG-like load of long prompts
-and 16-token answers, at the `tiny` model's sizes decoding 16 tokens costs a replica about as
-much as the prompt, so adaptive disaggregation reached 0.84x colocated's goodput over six
-seeds (BENCHMARKS.md, `compare-long-context-10.json`). Requests in flight: what the pool's
+request while the prefill replica only computes prompts. Measured on a RAG-like load (long
+prompts, 16-token answers), it did not pay: the placement became colocated's, yet goodput
+fell from 0.84x colocated's to 0.77x, the streams served whole on the prefill replica
+missing their TPOT more often (BENCHMARKS.md, `compare-long-context-11.json`); so it is off
+in `configs/cpu-adaptive.yaml`. Requests in flight: what the pool's
 least loaded replica reports (`num_sequences`, prompts computing and streams) plus what this
 ingress sent since, and at least what it has running there, as Serve's router counts ongoing
 requests. A decode pool is a candidate only for prompts up to
