@@ -271,7 +271,8 @@ class AdaptivePrefillSettings(_Strict):
         description="A request asking for at most this many new tokens (max_tokens) is "
         "placed as two colocated replicas would place it: whole, no KV hand-off, on the "
         "decode pool (prefilled there) or on a prefill pool with `serves_decode`, whichever "
-        "has fewer requests in flight per replica (a tie: the prefill pool). For a few tokens "
+        "has fewer prompt tokens to compute, then fewer requests in flight, per replica "
+        "(ties take turns). For a few tokens "
         "the hand-off buys nothing, and the decode replica would otherwise decode every "
         "such request while the prefill replica only computes prompts "
         "(`app/admission/overflow.py`). 0 = off.",

@@ -38,18 +38,17 @@ replicas' too, a stats period late).
 Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request
 asking for at most that many new tokens is placed as two colocated replicas would place it,
 whatever adaptive disaggregation chose: whole (no KV hand-off) on the decode pool, which
-prefills it locally, or on a prefill pool with `serves_decode`, whichever has fewer requests
-in flight per replica (a tie goes to the prefill pool, keeping the prompt off the decode
-replica's streams). For a few tokens the hand-off (a second replica call, blocks reserved on
+prefills it locally, or on a prefill pool with `serves_decode`, ranked as colocated's
+replica router ranks two replicas (`app/replica_router.py`): fewest prompt tokens to
+compute, then fewest requests in flight, ties taking turns. For a few tokens the hand-off (a second replica call, blocks reserved on
 the decode replica, the bytes) buys nothing, and the decode replica would decode every such
-request while the prefill replica only computes prompts. Measured on a RAG-like load (long
-prompts, 16-token answers), it did not pay: the placement became colocated's, yet goodput
-fell from 0.84x colocated's to 0.77x, the streams served whole on the prefill replica
-missing their TPOT more often (BENCHMARKS.md, `compare-long-context-11.json`); so it is off
-in `configs/cpu-adaptive.yaml`. Requests in flight: what the pool's
-least loaded replica reports (`num_sequences`, prompts computing and streams) plus what this
-ingress sent since, and at least what it has running there, as Serve's router counts ongoing
-requests. A decode pool is a candidate only for prompts up to
+request while the prefill replica only computes prompts. Ranked by requests alone, ties to the
+prefill pool, it did not pay on a RAG-like load (long prompts, 16-token answers): goodput
+fell from 0.84x colocated's to 0.77x (BENCHMARKS.md, `compare-long-context-11.json`), and
+it is off in `configs/cpu-adaptive.yaml`. The figures of a pool's least loaded replica:
+prompt tokens, its reported `queued_tokens` and at least those this ingress's requests
+are computing there; requests, its reported `num_sequences` plus what this ingress sent
+since, and at least what it has running there. A decode pool is a candidate only for prompts up to
 `adaptive_prefill.max_local_prompt_tokens`; without recent loads the rules below decide.
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
@@ -140,6 +139,7 @@ class DecodeOverflow:
         self._max_prompt_tokens = config.adaptive_prefill.decode_overflow_max_prompt_tokens
         self._prompts: Counter[str] = Counter()  # pool -> prompt tokens computing there
         self._max_whole_output = config.adaptive_prefill.serve_whole_max_output_tokens
+        self._ties = 0  # short outputs placed among tied pools, which take them in turn
 
     def started(self, pool: str, num_sequences: int) -> None:
         """The ingress started `num_sequences` streams on `pool` (its decode pool, or the
@@ -220,29 +220,33 @@ class DecodeOverflow:
         now: float,
     ) -> tuple[str, str] | None:
         """Where a short output is served whole (module docstring) and why: the candidate
-        pool with the fewest requests in flight per replica; None without a recent load of
-        the decode pool or of any serving prefill pool."""
+        pool whose least loaded replica has the fewest prompt tokens to compute, then the
+        fewest requests in flight, ties in turn; None without a recent load of the decode
+        pool or of any serving prefill pool."""
         short = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
         allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
-        covering = [
+        candidates = [
             pool.name
             for pool in self._serving
             if pool.name in allowed
             and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
         ]
-        in_flight = {pool: self._in_flight(pool, now) for pool in covering}
-        loads = {pool: n for pool, n in in_flight.items() if n is not None}
-        local_limit = self._config.adaptive_prefill.max_local_prompt_tokens
-        decode = self._in_flight(route.decode_pool, now)
-        if not loads or (decode is None and num_prompt_tokens <= local_limit):
+        if num_prompt_tokens <= self._config.adaptive_prefill.max_local_prompt_tokens:
+            candidates.append(route.decode_pool)
+        loads = {pool: self._in_flight(pool, now) for pool in candidates}
+        known = {pool: load for pool, load in loads.items() if load is not None}
+        if route.decode_pool in loads and route.decode_pool not in known:
             return None
-        pool, least = min(loads.items(), key=lambda item: item[1])
-        figures = ", ".join(f"{n:.1f} on {p}" for p, n in loads.items())
-        if decode is not None and num_prompt_tokens <= local_limit:
-            figures += f", {decode:.1f} on {route.decode_pool}"
-            if decode < least:
-                pool = route.decode_pool
-        return pool, f"{short}, in flight per replica {figures} -> served whole on {pool}"
+        if not known.keys() - {route.decode_pool}:
+            return None
+        least = min(known.values())
+        tied = [pool for pool, load in known.items() if load == least]
+        self._ties += len(tied) > 1
+        pool = tied[self._ties % len(tied)]
+        figures = ", ".join(
+            f"{t:.0f} tokens, {n:.1f} requests on {p}" for p, (t, n) in known.items()
+        )
+        return pool, f"{short}, per replica {figures} -> served whole on {pool}"
 
     def _stands(
         self, route: RouteDecision, why: str, num_sequences: int, now: float
@@ -281,21 +285,24 @@ class DecodeOverflow:
         reporting = any(s.get("num_sequences") is not None for s in snapshot.replicas.values())
         return snapshot if reporting else None
 
-    def _in_flight(self, pool: str, now: float) -> float | None:
-        """Requests in flight on the pool's least loaded replica (module docstring, short
-        outputs); None without a recent snapshot."""
+    def _in_flight(self, pool: str, now: float) -> tuple[float, float] | None:
+        """(prompt tokens to compute, requests in flight) on the pool's least loaded
+        replica (module docstring, short outputs); None without a recent snapshot."""
         snapshot = self._fresh(pool, now)
         if snapshot is None:
             return None
         num_replicas = len(snapshot.replicas)
         extra = self._sent.since(pool, snapshot.updated_at) / num_replicas
         running = self.running(pool) / num_replicas
-        reported = [
-            figure(s, "num_sequences")
+        computing = self.computing(pool) / num_replicas
+        return min(
+            (
+                max(figure(s, "queued_tokens"), computing),
+                max(figure(s, "num_sequences") + extra, running),
+            )
             for s in snapshot.replicas.values()
             if s.get("num_sequences") is not None
-        ]
-        return max(min(reported) + extra, running)
+        )
 
     def _least(self, pool: str, snapshot: PoolSnapshot, candidate: bool = False) -> float | None:
         """The decode load of the pool's least loaded replica, counting the sequences this

@@ -132,23 +132,23 @@ def test_apply_moves_the_whole_request_and_says_why() -> None:
 SHORT = {"adaptive_prefill": {"serve_whole_max_output_tokens": 16}}
 
 
-def test_a_short_output_is_served_whole_where_fewer_requests_are_in_flight() -> None:
+def test_a_short_output_is_served_whole_where_less_is_in_flight() -> None:
     """With `serve_whole_max_output_tokens`, a request asking for that few tokens goes whole
-    to the pool with fewer requests in flight per replica, whatever the route said: to the
-    prefill pool from a local route, to the decode pool (prefilled there) from a remote one.
-    A tie goes to the prefill pool."""
+    to the pool with fewer prompt tokens to compute, then fewer requests in flight, whatever
+    the route said: to the prefill pool from a local route, to the decode pool (prefilled
+    there) from a remote one. Ties take turns."""
     loads = Loads()
     overflow = loads.overflow(config(**SHORT))
-    loads.publish("decode", 3)
-    loads.publish("prefill", 1)
+    loads.publish("decode", 1, queued_tokens=900)
+    loads.publish("prefill", 3)
     route = overflow.apply(LOCAL, 40, "", max_tokens=16)
     assert route == RouteDecision(
         None,
         "prefill",
         True,
         0,
-        f"{LOCAL.reason}; short output: max_tokens 16 <= 16, in flight per replica 1.0 on "
-        "prefill, 3.0 on decode -> served whole on prefill",
+        f"{LOCAL.reason}; short output: max_tokens 16 <= 16, per replica 0 tokens, 3.0 "
+        "requests on prefill, 900 tokens, 1.0 requests on decode -> served whole on prefill",
     )
     loads.publish("decode", 1)
     loads.publish("prefill", 3)
@@ -158,13 +158,14 @@ def test_a_short_output_is_served_whole_where_fewer_requests_are_in_flight() -> 
         "decode",
         True,
         0,
-        f"{REMOTE.reason}; short output: max_tokens 16 <= 16, in flight per replica 3.0 on "
-        "prefill, 1.0 on decode -> served whole on decode",
+        f"{REMOTE.reason}; short output: max_tokens 16 <= 16, per replica 0 tokens, 3.0 "
+        "requests on prefill, 0 tokens, 1.0 requests on decode -> served whole on decode",
     )
     loads.publish("decode", 2)
     loads.publish("prefill", 2)
-    route = overflow.apply(REMOTE, 900, "", max_tokens=1)
-    assert route.decode_pool == "prefill" and route.prefill_pool is None, route.reason
+    tied = [overflow.apply(REMOTE, 900, "", max_tokens=1) for _ in range(2)]
+    assert {r.decode_pool for r in tied} == {"prefill", "decode"}, [r.reason for r in tied]
+    assert all(r.prefill_pool is None and r.local_prefill for r in tied)
 
 
 def test_longer_outputs_and_the_setting_off_leave_short_output_placement_out() -> None:
@@ -191,11 +192,12 @@ def test_short_outputs_spread_as_they_are_sent() -> None:
     loads.publish("prefill", 0)
     overflow = loads.overflow(config(**SHORT))
     pools = [overflow.apply(REMOTE, 900, "", max_tokens=16).decode_pool for _ in range(6)]
-    assert pools == ["prefill", "decode"] * 3
+    assert sorted(pools) == ["decode"] * 3 + ["prefill"] * 3
+    assert all(pools[i] != pools[i + 1] for i in range(0, 6, 2)), pools
 
 
-def test_a_short_output_counts_what_the_ingress_has_running() -> None:
-    """A snapshot older than this ingress's own streams cannot hide them."""
+def test_a_short_output_counts_what_the_ingress_has_running_and_computing() -> None:
+    """A snapshot older than this ingress's own streams and prompts cannot hide them."""
     loads = Loads()
     loads.publish("decode", 0)
     loads.publish("prefill", 0)
@@ -203,7 +205,11 @@ def test_a_short_output_counts_what_the_ingress_has_running() -> None:
     overflow.started("prefill", 2)
     route = overflow.apply(REMOTE, 900, "", max_tokens=16)
     assert route.decode_pool == "decode", route.reason
-    assert "in flight per replica 2.0 on prefill, 0.0 on decode" in route.reason
+    assert "0 tokens, 2.0 requests on prefill, 0 tokens, 0.0 requests on decode" in route.reason
+    overflow.prompt_started("decode", 3000)  # its prompt computes there now
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    assert route.decode_pool == "prefill", route.reason
+    assert "3000 tokens, 1.0 requests on decode" in route.reason
 
 
 def test_a_short_output_without_loads_is_left_to_the_rules() -> None:
@@ -241,7 +247,8 @@ def test_a_prompt_too_long_to_prefill_locally_chooses_among_prefill_pools() -> N
     route = loads.overflow(cfg).apply(REMOTE, 900, "", max_tokens=16)
     assert route.decode_pool == "prefill-b" and route.prefill_pool is None, route.reason
     assert route.reason.endswith(
-        "in flight per replica 4.0 on prefill, 2.0 on prefill-b -> served whole on prefill-b"
+        "per replica 0 tokens, 4.0 requests on prefill, 0 tokens, 2.0 requests on prefill-b "
+        "-> served whole on prefill-b"
     )
     route = loads.overflow(cfg).apply(REMOTE, 500, "", max_tokens=16)
     assert route.decode_pool == "decode", route.reason
