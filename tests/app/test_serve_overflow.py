@@ -121,11 +121,10 @@ def test_short_outputs_are_served_whole_where_less_is_in_flight(
 ) -> None:
     """A long prompt asking for at most `serve_whole_max_output_tokens` is served whole (no
     KV moves) on the pool with less in flight (prompt tokens, then requests), as the
-    route's figures say: on
-    the prefill replica, or prefilled locally on the decode replica. Sent one at a time
-    until the ingress has both pools' loads, then as a burst that spreads over both; each
-    answer's tokens equal `transformers`' greedy output, and the replicas' counters show
-    the branches the routes name."""
+    route's figures say: on the prefill replica, or prefilled locally on the decode
+    replica. Sent one at a time until the ingress has both pools' loads, then as a burst
+    that spreads over both; each answer's tokens equal `transformers`' greedy output, and
+    the replicas' counters show the branches the routes name."""
     prompt = "a document of some length to be summed up in a few words: "
     short = rf"short output: max_tokens {SHORT_OUTPUT} <= {SHORT_OUTPUT}"
     one = r"(\d+) tokens, ([\d.]+) requests on"
