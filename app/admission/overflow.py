@@ -40,16 +40,17 @@ asking for at most that many new tokens is placed as two colocated replicas woul
 whatever adaptive disaggregation chose: whole (no KV hand-off) on the decode pool, which
 prefills it locally, or on a prefill pool with `serves_decode`, ranked as colocated's
 replica router ranks two replicas (`app/replica_router.py`): fewest prompt tokens to
-compute, then fewest requests in flight, ties taking turns. For a few tokens the hand-off (a second replica call, blocks reserved on
-the decode replica, the bytes) buys nothing, and the decode replica would decode every such
-request while the prefill replica only computes prompts. Ranked by requests alone, ties to the
-prefill pool, it did not pay on a RAG-like load (long prompts, 16-token answers): goodput
-fell from 0.84x colocated's to 0.77x (BENCHMARKS.md, `compare-long-context-11.json`), and
-it is off in `configs/cpu-adaptive.yaml`. The figures of a pool's least loaded replica:
-prompt tokens, its reported `queued_tokens` and at least those this ingress's requests
-are computing there; requests, its reported `num_sequences` plus what this ingress sent
-since, and at least what it has running there. A decode pool is a candidate only for prompts up to
-`adaptive_prefill.max_local_prompt_tokens`; without recent loads the rules below decide.
+compute, then fewest requests in flight, ties taking turns. For a few tokens the hand-off
+(a second replica call, blocks reserved on the decode replica, the bytes) buys nothing,
+and the decode replica would decode every such request while the prefill replica only
+computes prompts. On a RAG-like load (long prompts, 16-token answers) it gave 0.87x
+colocated's goodput against 0.84x without it, within the noise (0.77x when it ranked by
+requests alone; BENCHMARKS.md), so it is off in `configs/cpu-adaptive.yaml`. The figures
+of a pool's least loaded replica: prompt tokens, its reported `queued_tokens` and at least
+those this ingress's requests are computing there; requests, its reported `num_sequences`
+plus what this ingress sent since, and at least what it has running there. A decode pool
+is a candidate only for prompts up to `adaptive_prefill.max_local_prompt_tokens`; without
+recent loads the rules below decide.
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
 use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
