@@ -72,6 +72,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from app.admission.adaptive import SentSince
 from app.config import PDServeConfig, PoolConfig
@@ -188,7 +189,7 @@ class DecodeOverflow:
     ) -> RouteDecision:
         """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
         the gap; a short output (`max_tokens` at most `serve_whole_max_output_tokens`)
-        served whole where fewer requests are in flight. Its reason is extended with the
+        served whole where less is in flight (`_place_short`). Its reason is extended with the
         figures; `num_sequences`: the request's `n`."""
         if not self._serving:
             return route
@@ -200,13 +201,10 @@ class DecodeOverflow:
         decode = self._load(route.decode_pool, now)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         if decode is not None:
-            allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
             candidates: dict[str, float | None] = {}
-            for pool in self._serving:
-                low, high = pool.context_range
-                seen = self._fresh(pool.name, now)
-                if pool.name in allowed and low <= num_prompt_tokens <= high and seen:
-                    candidates[pool.name] = self._least(pool.name, seen, candidate=True)
+            for pool in self._covering(num_prompt_tokens, tenant):
+                if seen := self._fresh(pool, now):
+                    candidates[pool] = self._least(pool, seen, candidate=True)
             choice = choose_overflow(decode, candidates, self._gap)
         if choice.pool is None:
             return self._stands(route, choice.reason, num_sequences, now)
@@ -225,13 +223,7 @@ class DecodeOverflow:
         fewest requests in flight, ties in turn; None without a recent load of the decode
         pool or of any serving prefill pool."""
         short = f"short output: max_tokens {max_tokens} <= {self._max_whole_output}"
-        allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
-        candidates = [
-            pool.name
-            for pool in self._serving
-            if pool.name in allowed
-            and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
-        ]
+        candidates = self._covering(num_prompt_tokens, tenant)
         if num_prompt_tokens <= self._config.adaptive_prefill.max_local_prompt_tokens:
             candidates.append(route.decode_pool)
         loads = {pool: self._in_flight(pool, now) for pool in candidates}
@@ -268,6 +260,16 @@ class DecodeOverflow:
             route, decode_pool=pool, prefill_pool=None, local_prefill=True, reason=reason
         )
 
+    def _covering(self, num_prompt_tokens: int, tenant: str) -> list[str]:
+        """The pools that serve decode, may serve `tenant` and cover the prompt's length."""
+        allowed = {pool.name for pool in self._config.allowed_pools(tenant)}
+        return [
+            pool.name
+            for pool in self._serving
+            if pool.name in allowed
+            and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
+        ]
+
     def _is_short(self, max_tokens: int | None) -> bool:
         """Whether the request asks for at most `serve_whole_max_output_tokens` new tokens."""
         return max_tokens is not None and 0 < max_tokens <= self._max_whole_output
@@ -292,18 +294,26 @@ class DecodeOverflow:
         snapshot = self._fresh(pool, now)
         if snapshot is None:
             return None
+        computing = self.computing(pool) / len(snapshot.replicas)
+        return min(
+            (max(figure(s, "queued_tokens"), computing), sequences)
+            for s, sequences in self._sequences(pool, snapshot)
+        )
+
+    def _sequences(
+        self, pool: str, snapshot: PoolSnapshot
+    ) -> list[tuple[Mapping[str, Any], float]]:
+        """Each reporting replica's stats with the sequences it holds: those it reports plus
+        the ones this ingress sent since the snapshot, and at least those this ingress has
+        running there (both spread over the pool's replicas)."""
         num_replicas = len(snapshot.replicas)
         extra = self._sent.since(pool, snapshot.updated_at) / num_replicas
         running = self.running(pool) / num_replicas
-        computing = self.computing(pool) / num_replicas
-        return min(
-            (
-                max(figure(s, "queued_tokens"), computing),
-                max(figure(s, "num_sequences") + extra, running),
-            )
+        return [
+            (s, max(figure(s, "num_sequences") + extra, running))
             for s in snapshot.replicas.values()
             if s.get("num_sequences") is not None
-        )
+        ]
 
     def _least(self, pool: str, snapshot: PoolSnapshot, candidate: bool = False) -> float | None:
         """The decode load of the pool's least loaded replica, counting the sequences this
@@ -311,22 +321,15 @@ class DecodeOverflow:
         spread over its replicas). As an overflow `candidate`, only replicas at most
         `decode_overflow_max_prompt_busy` busy with prompts and with at most
         `decode_overflow_max_prompt_tokens` computing count (None when none does)."""
-        stats = [s for s in snapshot.replicas.values() if s.get("num_sequences") is not None]
-        num_replicas = len(snapshot.replicas)
-        if candidate:
-            if self.computing(pool) / num_replicas > self._max_prompt_tokens:
-                return None
-            stats = [
-                s
-                for s in stats
-                if figure(s, "prompt_busy") <= self._max_prompt_busy
-                and figure(s, "queued_tokens") <= self._max_prompt_tokens
-            ]
-        if not stats:
+        if candidate and self.computing(pool) / len(snapshot.replicas) > self._max_prompt_tokens:
             return None
-        extra = self._sent.since(pool, snapshot.updated_at) / num_replicas
-        running = self.running(pool) / num_replicas
-        return min(
-            decode_load(max(figure(s, "num_sequences") + extra, running), figure(s, "prompt_busy"))
-            for s in stats
-        )
+        loads = [
+            decode_load(sequences, figure(s, "prompt_busy"))
+            for s, sequences in self._sequences(pool, snapshot)
+            if not candidate
+            or (
+                figure(s, "prompt_busy") <= self._max_prompt_busy
+                and figure(s, "queued_tokens") <= self._max_prompt_tokens
+            )
+        ]
+        return min(loads) if loads else None
