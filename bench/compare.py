@@ -36,7 +36,7 @@ rate with bands, goodput per config, TTFT/TPOT/ITL CDFs; `--replot` redraws them
 
     pdserve bench compare --configs cpu-disagg,cpu-colocated --workload mixed --seeds 3 \
         --short-input-len 64 --short-output-len 32 --long-input-min 512 \
-        --long-input-max 1024 --long-output-len 16 --json docs/bench/compare-mixed.json
+        --long-input-max 1024 --long-output-len 16 --json docs/bench/compare-mixed.json.gz
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ answer the search's first probes)."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,7 +46,7 @@ def resumed(args: argparse.Namespace) -> Resumed:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.names}
     if not args.resume or not args.json.exists():
         return runs, None, []
-    saved = json.loads(args.json.read_text())
+    saved = load_json(args.json)
     ours = settings(args)
     theirs = saved.get("settings", {})
     if _grown(theirs.get("configs"), ours.get("configs")):
@@ -86,13 +87,28 @@ def slo_section(slos: Slos | None, baseline: str) -> dict[str, Any] | None:
     }
 
 
+def load_json(path: Path) -> Any:
+    """A comparison file, gzip-compressed when its name ends in `.gz` (its records make an
+    uncompressed file several MB, so the committed ones are kept compressed)."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
 def save_json(path: Path, document: Mapping[str, Any]) -> None:
-    """Write `document` (non-finite numbers as null) through a temporary file, so an
-    interrupted write never leaves a truncated checkpoint."""
+    """Write `document` (non-finite numbers as null; gzip-compressed when the name ends in
+    `.gz`) through a temporary file, so an interrupted write never leaves a truncated
+    checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(finite_or_none(document), indent=1) + "\n")
+    data = (json.dumps(finite_or_none(document), indent=1) + "\n").encode()
+    partial.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
     partial.replace(path)
+
+
+def stem(path: Path) -> str:
+    """The name plots beside a comparison file start with: `x.json` and `x.json.gz` -> `x`."""
+    name = path.name.removesuffix(".gz")
+    return name.removesuffix(".json")
 
 
 def write(
@@ -105,14 +121,13 @@ def write(
     """The final JSON, with its plots (beside it, or in `plots_dir`) listed in it."""
     points = {name: rs[0]["points"] for name, rs in document["runs"].items() if rs}
     document["common_rate"] = cdf_rate or compare_report.common_rate(points, target)
-    stem = path.with_suffix("").name
-    document["plots"] = compare_report.plot(document, plots_dir or path.parent, stem)
+    document["plots"] = compare_report.plot(document, plots_dir or path.parent, stem(path))
     save_json(path, document)
 
 
 def replot(path: Path, plots_dir: Path | None, cdf_rate: float | None, target: float) -> int:
     """Redraw the plots of a saved comparison (optionally at another CDF rate)."""
-    document = json.loads(path.read_text())
+    document = load_json(path)
     write(document, path, plots_dir, cdf_rate, document.get("target", target))
     print(json.dumps({k: v for k, v in document.items() if k != "runs"}))
     return 0

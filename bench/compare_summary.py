@@ -11,7 +11,8 @@ seeds jointly and every point's attainment from its counts, each draw dividing b
 other config did best in that draw). Issue 14 asks the adaptive default (listed first) to be
 within 10% of the better of disaggregated and colocated on every workload: `vs_best` >= 0.9.
 
-    pdserve bench summary docs/bench/compare-mixed-3.json docs/bench/compare-long-context-4.json \
+    pdserve bench summary docs/bench/compare-mixed-3.json.gz \
+        docs/bench/compare-long-context-4.json.gz \
         --markdown /tmp/summary.md --plot docs/bench/summary.png
 
 Prints the markdown table (stdout) and, with `--json`, writes the figures.
@@ -27,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import compare_store
 from bench.compare_report import aggregate, counted_runs
 from bench.knee import interpolate_goodput, resampled_goodput
 from bench.metrics import finite_or_none
@@ -244,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     summaries = []
     for path in args.files:
-        document = json.loads(path.read_text())
+        document = compare_store.load_json(path)
         if not isinstance(document.get("settings"), dict) or "runs" not in document:
             print(f"skipped {path}: not a `bench compare` file of this format", file=sys.stderr)
             continue

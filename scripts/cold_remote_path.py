@@ -5,20 +5,21 @@ path"). Two measurements:
     # after an idle period; client TTFT and the server's TTFT breakdown of each
     python scripts/cold_remote_path.py deploy --config cpu-disagg --idle 65
     # from a `pdserve bench compare` file: each point's first remotely prefilled request
-    python scripts/cold_remote_path.py points docs/bench/compare-mixed-tiny.json
+    python scripts/cold_remote_path.py points docs/bench/compare-mixed-tiny.json.gz
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import string
 import time
+from pathlib import Path
 
 import httpx
 
+from bench import compare_store
 from bench.metrics import route_kind
 from bench.serve_app import app_args, free_port, running_app
 
@@ -71,8 +72,7 @@ def deploy(args: argparse.Namespace) -> None:
 
 
 def points(args: argparse.Namespace) -> None:
-    with open(args.file) as f:
-        report = json.load(f)
+    report = compare_store.load_json(Path(args.file))
     for config, runs in report["runs"].items():
         firsts: list[float] = []
         next_three: list[float] = []

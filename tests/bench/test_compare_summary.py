@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench import compare_summary
+from bench import compare_store, compare_summary
 from bench.knee import interpolate_goodput
 
 
@@ -107,3 +107,23 @@ def test_plot_legend_names_every_config_once(
     monkeypatch.setattr(Figure, "savefig", save)
     compare_summary.plot([first, second], tmp_path / "summary.png")
     assert legends == [["a", "d", "c", "x"]]
+
+
+def test_gzip_compressed_file_reads_as_the_plain_one(tmp_path: Path) -> None:
+    """Committed comparisons are kept as `.json.gz`: written and read back compressed, with
+    plots named without either suffix, and summarized the same as the plain file."""
+    document = _document(complete=True)
+    plain, packed = tmp_path / "compare-mixed.json", tmp_path / "compare-mixed.json.gz"
+    compare_store.save_json(plain, document)
+    compare_store.save_json(packed, document)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"  # gzip's magic number
+    assert packed.stat().st_size < plain.stat().st_size
+    assert compare_store.load_json(packed) == compare_store.load_json(plain)
+    assert compare_store.stem(packed) == compare_store.stem(plain) == "compare-mixed"
+    out_plain, out_packed = tmp_path / "plain.json", tmp_path / "packed.json"
+    assert compare_summary.main([str(plain), "--json", str(out_plain)]) == 0
+    assert compare_summary.main([str(packed), "--json", str(out_packed)]) == 0
+    strip = [{k: v for k, v in s.items() if k != "file"} for s in json.loads(out_plain.read_text())]
+    assert strip == [
+        {k: v for k, v in s.items() if k != "file"} for s in json.loads(out_packed.read_text())
+    ]
