@@ -9,7 +9,8 @@
 # under `timeout`, its own limit or what is left of the budget if less, and a step that
 # finds under 10 s left is skipped (and listed so); with nvidia-smi and the table printers
 # (10 s each at most) the whole run stays within 8 minutes.
-# Exit status 0 only if every test step passed.
+# With GPU_CHECK_LOG_DIR set, every step's whole stdout and stderr are kept there too
+# (<step>.out, <step>.err). Exit status 0 only if every test step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -58,6 +59,11 @@ step() {
     *) status="failed (rc $last_rc)" ;;
   esac
   steps+=("$name|$status|$((SECONDS - start))")
+  if [ -n "${GPU_CHECK_LOG_DIR:-}" ]; then
+    mkdir -p "$GPU_CHECK_LOG_DIR"
+    cp "$work/out" "$GPU_CHECK_LOG_DIR/${name// /_}.out"
+    cp "$work/err" "$GPU_CHECK_LOG_DIR/${name// /_}.err"
+  fi
   [ "$kind" = test ] && [ "$last_rc" -ne 0 ] && failed=1
   return "$last_rc"
 }
@@ -68,7 +74,7 @@ show() {
   if [ "$last_rc" -ne 0 ] && [ -s "$work/err" ]; then tail -n 5 "$work/err"; fi
 }
 
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rs)  # quiet, skips reported
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --tb=short)  # failures, skips listed
 
 echo "== device"
 timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
