@@ -13,6 +13,12 @@ runs uncaptured), `eager` runs every step eagerly. Models: a directory, a built-
 `llama3-8b`: the Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads,
 intermediate 14336, vocab 128256) with random weights (`load_format: dummy`).
 
+`--profile DIR`: for each row, the same batch runs again with `--profile-steps` of its
+decode steps under `torch.profiler` (CPU and CUDA), and DIR gets
+`<model>-<mode>-b<batch>.txt`: the ops by self CPU time and by self device time, and per
+step the host time, the device time and the count of kernel launches and syncs (what
+an eager step's time goes to).
+
 Stdout: a table, or with `--json` one JSON object.
 """
 
@@ -85,7 +91,10 @@ def measure(
             dtype=args.dtype,
             device=args.device,
             cache=CacheConfig(
-                block_size=block, kv_cache_bytes=kv_bytes, enable_prefix_caching=False
+                block_size=block,
+                kv_cache_bytes=kv_bytes,
+                kv_cache_dtype=args.kv_cache_dtype,
+                enable_prefix_caching=False,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max(batches) * args.prompt_len,
@@ -94,14 +103,13 @@ def measure(
             ),
             enforce_eager=mode == "eager",
             load_format="dummy" if dummy else "auto",
+            quantization=args.quantization,
         ),
         decode_graphs=mode == "graphs",
     )
-    weight_bytes = sum(
-        p.numel() * p.element_size()
-        for name, p in engine.model.named_parameters()
-        if not name.startswith("embed_tokens")
-    )
+    weights = [p for name, p in engine.model.named_parameters() if not name.startswith("embed")]
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
+    params_count = sum(p.numel() for p in weights)  # 2 FLOPs each per prompt token
     cuda = engine.device.type == "cuda"
     rows = []
     engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
@@ -122,17 +130,27 @@ def measure(
                 torch.cuda.synchronize(engine.device)
             steps.append(time.perf_counter() - start)
         tpot_ms = statistics.median(steps[1:]) * 1e3  # steps[0] is the batch's prefill
+        prefill_s = steps[0]
+        if args.profile:
+            profile(engine, batch, args, args.profile / f"{model}-{mode}-b{batch}.txt")
         roofline_ms = weight_bytes / args.bandwidth * 1e3
         rows.append(
             {
                 "model": model,
                 "mode": mode,
+                "quantization": args.quantization,
+                "kv_cache_dtype": args.kv_cache_dtype,
                 "batch": batch,
                 "tpot_ms": round(tpot_ms, 4),
                 "weight_gb": round(weight_bytes / 1e9, 3),
                 "roofline_ms": round(roofline_ms, 4),
                 "x_roofline": round(tpot_ms / roofline_ms, 2),
                 "graph_steps": graphs.num_replays - replays_before if graphs is not None else 0,
+                "prefill_tokens": batch * args.prompt_len,
+                "prefill_ms": round(prefill_s * 1e3, 3),
+                "prefill_tflops": round(
+                    2 * params_count * batch * args.prompt_len / prefill_s / 1e12, 1
+                ),
             }
         )
     engine.close()
@@ -141,6 +159,56 @@ def measure(
     if cuda:
         torch.cuda.empty_cache()
     return rows
+
+
+def profile(engine: Engine, batch: int, args: argparse.Namespace, out: Path) -> None:
+    """Run `batch` requests again and write where `--profile-steps` decode steps (after
+    the prefill and two warm steps) spend host and device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(max_tokens=args.profile_steps + 3, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(engine.make_request([66] * args.prompt_len, params))
+    for _ in range(3):  # the prefill and two decode steps
+        engine.step()
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize(engine.device)
+    start = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    wall_ms = (time.perf_counter() - start) * 1e3 / args.profile_steps
+    while engine.has_unfinished:
+        engine.step()
+    events = prof.key_averages()
+    steps = args.profile_steps
+
+    def count(*names: str) -> float:
+        return sum(e.count for e in events if e.key in names) / steps
+
+    device_us = sum(e.self_device_time_total for e in events) / steps
+    lines = [
+        f"{out.stem}: {steps} decode steps, per step: wall {wall_ms:.3f} ms, "
+        f"device busy {device_us / 1e3:.3f} ms, "
+        f"launches {count('cudaLaunchKernel', 'cuLaunchKernel', 'cuLaunchKernelEx'):.0f}, "
+        f"graph launches {count('cudaGraphLaunch'):.0f}, "
+        f"syncs {count('cudaStreamSynchronize', 'cudaDeviceSynchronize'):.0f}, "
+        f"memcpy {count('cudaMemcpyAsync', 'cudaMemcpy'):.0f}",
+        "",
+        events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+    ]
+    if engine.device.type == "cuda":
+        lines.append(
+            events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(lines[0], flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -154,6 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--bandwidth", type=float, default=H200_BYTES_S, help="bytes/s")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quantization", choices=["fp8"], help="weights (default: as loaded)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--profile", type=Path, help="write per-row profiles to this dir")
+    parser.add_argument("--profile-steps", type=int, default=10)
     args = parser.parse_args(argv)
     if bad := [m for m in args.modes if m not in ("graphs", "eager")]:
         parser.error(f"--modes takes graphs and/or eager, not {bad}")
@@ -169,14 +241,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({"device": args.device, "dtype": args.dtype, "rows": rows}))
         return 0
     print(
-        f"{'model':10} {'mode':6} {'batch':>5} {'TPOT ms':>8} {'weights GB':>10} "
-        f"{'roofline ms':>11} {'x roofline':>10} {'graph steps':>11}"
+        f"{'model':10} {'mode':6} {'weights':7} {'kv':4} {'batch':>5} {'TPOT ms':>8} "
+        f"{'weights GB':>10} {'roofline ms':>11} {'x roofline':>10} {'graph steps':>11} "
+        f"{'prefill tok':>11} {'prefill ms':>10} {'TFLOP/s':>7}"
     )
     for r in rows:
         print(
-            f"{r['model']:10} {r['mode']:6} {r['batch']:>5} {r['tpot_ms']:>8.3f} "
-            f"{r['weight_gb']:>10.3f} {r['roofline_ms']:>11.4f} {r['x_roofline']:>10.2f} "
-            f"{r['graph_steps']:>11}"
+            f"{r['model']:10} {r['mode']:6} {r['quantization'] or '-':7} {r['kv_cache_dtype']:4} "
+            f"{r['batch']:>5} {r['tpot_ms']:>8.3f} {r['weight_gb']:>10.3f} "
+            f"{r['roofline_ms']:>11.4f} {r['x_roofline']:>10.2f} {r['graph_steps']:>11} "
+            f"{r['prefill_tokens']:>11} {r['prefill_ms']:>10.2f} {r['prefill_tflops']:>7.1f}"
         )
     return 0
 

@@ -161,6 +161,7 @@ show 4
 if [ "$has_cuda" -eq 1 ]; then
   echo "== decode TPOT, CUDA graphs on/off, bf16, vs the weight-bandwidth roofline (H200 4.8 TB/s)"
   step bench "decode TPOT" 150 "$PY" -m bench.decode_tpot --models small llama3-8b --batch 1 32 \
+    ${GPU_CHECK_LOG_DIR:+--profile "$GPU_CHECK_LOG_DIR/profiles"} \
     || echo "decode TPOT benchmark failed"
   show 12
 else
@@ -191,44 +192,9 @@ for r in data["results"]:
     print(f"{r['dtype']:9} {r['quantization'] or '-':7} {r['kv_cache_dtype']:4} "
           f"{r['rel_logit_error_mean']:8.4f} {r['rel_logit_error_p99']:6.3f} {r['greedy_agreement']:6.3f}")
 PY
-  echo "== fp8 on/off decode TPOT on small (bf16; CUDA graphs on/off), batch 1 and 32"
-  step bench "fp8 TPOT" 120 "$PY" - <<'PY' || echo "fp8 TPOT failed"
-import itertools, statistics, time
-import torch
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import Engine
-from engine.request import SamplingParams
-
-HBM_BYTES_S = 4.8e12  # H200
-print(f"{'weights':7} {'kv':4} {'graphs':6} {'batch':>5} {'TPOT ms':>8} {'weights GB':>10} "
-      f"{'roofline ms':>11}", flush=True)
-combos = [(None, "auto"), ("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")]
-for (quantization, kv), eager in itertools.product(combos, (False, True)):
-    engine = Engine(EngineConfig(
-        model_dir="small", dtype="bfloat16", device="cuda", quantization=quantization,
-        enforce_eager=eager,
-        cache=CacheConfig(kv_cache_bytes=2 << 30, kv_cache_dtype=kv, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=8192,
-                                  long_prefill_token_threshold=512)))
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    for batch in (1, 32):
-        params = SamplingParams(max_tokens=65, temperature=0.0, ignore_eos=True)
-        engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
-        for i in range(batch):
-            engine.add_request(engine.make_request([65 + i % 26] * 128, params))
-        steps = []
-        while engine.has_unfinished:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            steps.append(time.perf_counter() - start)
-        tpot = statistics.median(steps[1:]) * 1e3  # the first step is the prefill
-        print(f"{quantization or '-':7} {kv:4} {'off' if eager else 'on':6} {batch:5} {tpot:8.2f} "
-              f"{weight_bytes / 1e9:10.3f} "
-              f"{weight_bytes / HBM_BYTES_S * 1e3:11.3f}", flush=True)
-    engine.close()
-PY
+  echo "== fp8 weights + fp8 KV: decode TPOT with CUDA graphs, batch 1 and 32 (bf16 rows above)"
+  step bench "fp8 TPOT" 120 "$PY" -m bench.decode_tpot --models small llama3-8b --modes graphs \
+    --batch 1 32 --quantization fp8 --kv-cache-dtype fp8 || echo "fp8 TPOT failed"
   show 10
 else
   echo "== fp8 benchmarks skipped: no CUDA device with FP8 (sm_89+)"
