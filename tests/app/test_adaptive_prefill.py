@@ -304,8 +304,8 @@ def test_bad_settings_are_refused_clearly(field: str, value: Any, message: str) 
 def test_benchmark_configs() -> None:
     """cpu-disagg measures static disaggregation; cpu-adaptive is the same app with the
     adaptive rule on for prompts of any admitted length, its prefill replica serving whole
-    requests (decode overflow), and chat turns (under 128 tokens) prefilled where they
-    decode."""
+    requests (decode overflow), chat turns (under 128 tokens) prefilled where they
+    decode, and outputs of at most 16 tokens served whole where less is in flight."""
     disagg = load_config(CONFIGS / "cpu-disagg.yaml")
     adaptive = load_config(CONFIGS / "cpu-adaptive.yaml")
     assert not disagg.adaptive_prefill.enabled
@@ -315,6 +315,7 @@ def test_benchmark_configs() -> None:
     assert (adaptive.local_prefill_threshold, disagg.local_prefill_threshold) == (128, 32)
     # any prompt the app admits may be prefilled locally when that is cheaper (long-context)
     assert adaptive.adaptive_prefill.max_local_prompt_tokens == adaptive.limits.max_prompt_tokens
+    assert adaptive.adaptive_prefill.serve_whole_max_output_tokens == 16
 
     def rest(config: PDServeConfig) -> dict[str, Any]:
         dumped = config.model_dump()
