@@ -131,7 +131,8 @@ def measure(
             steps.append(time.perf_counter() - start)
         tpot_ms = statistics.median(steps[1:]) * 1e3  # steps[0] is the batch's prefill
         prefill_s = steps[0]
-        if args.profile:
+        graph_steps = graphs.num_replays - replays_before if graphs is not None else 0
+        if args.profile:  # after the count: the profiled steps replay graphs too
             profile(engine, batch, args, args.profile / f"{model}-{mode}-b{batch}.txt")
         roofline_ms = weight_bytes / args.bandwidth * 1e3
         rows.append(
@@ -145,7 +146,7 @@ def measure(
                 "weight_gb": round(weight_bytes / 1e9, 3),
                 "roofline_ms": round(roofline_ms, 4),
                 "x_roofline": round(tpot_ms / roofline_ms, 2),
-                "graph_steps": graphs.num_replays - replays_before if graphs is not None else 0,
+                "graph_steps": graph_steps,
                 "prefill_tokens": batch * args.prompt_len,
                 "prefill_ms": round(prefill_s * 1e3, 3),
                 "prefill_tflops": round(
