@@ -15,9 +15,10 @@ intermediate 14336, vocab 128256) with random weights (`load_format: dummy`).
 
 `--profile DIR`: for each row, the same batch runs again with `--profile-steps` of its
 decode steps under `torch.profiler` (CPU and CUDA), and DIR gets
-`<model>-<mode>-b<batch>.txt`: the ops by self CPU time and by self device time, and per
-step the host time, the device time and the count of kernel launches and syncs (what
-an eager step's time goes to).
+`<model>-<mode>-b<batch>.txt`: the ops by self CPU time and by self device time, per
+step the host time, the device time and the count of kernel launches and syncs, and then
+`cProfile`'s cumulative times for as many more steps (which Python code an eager step's
+host time goes to).
 
 Stdout: a table, or with `--json` one JSON object.
 """
@@ -25,8 +26,11 @@ Stdout: a table, or with `--json` one JSON object.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import shutil
 import statistics
 import tempfile
@@ -168,7 +172,7 @@ def profile(engine: Engine, batch: int, args: argparse.Namespace, out: Path) -> 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    params = SamplingParams(max_tokens=args.profile_steps + 3, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * args.profile_steps + 3, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(engine.make_request([66] * args.prompt_len, params))
     for _ in range(3):  # the prefill and two decode steps
@@ -184,8 +188,19 @@ def profile(engine: Engine, batch: int, args: argparse.Namespace, out: Path) -> 
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
     wall_ms = (time.perf_counter() - start) * 1e3 / args.profile_steps
+    python = cProfile.Profile()  # the same number of steps again: which Python code runs
+    python.enable()
+    for _ in range(args.profile_steps):
+        engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    python.disable()
     while engine.has_unfinished:
         engine.step()
+    by_function = io.StringIO()
+    stats = pstats.Stats(python, stream=by_function)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
     events = prof.key_averages()
     steps = args.profile_steps
 
@@ -207,6 +222,10 @@ def profile(engine: Engine, batch: int, args: argparse.Namespace, out: Path) -> 
         lines.append(
             events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)
         )
+    lines += [
+        f"Python functions over {steps} more steps (cProfile: cumulative, then own time):",
+        by_function.getvalue(),
+    ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print(lines[0], flush=True)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,9 +189,10 @@ def test_short_outputs_are_served_whole_where_less_is_in_flight(
 # ---- drill: the prefill replica dies while it serves whole requests --------------------
 
 
-def stream(server: Server, prompt: str, out: dict[str, Any]) -> None:
+def stream(server: Server, prompt: str, out: dict[str, Any], whole: threading.Event) -> None:
     """A greedy streamed completion of `LONG_TOKENS` tokens (EOS ignored); fills `out` with
-    its `route`, `text` and `events` as they come, so a killed stream's part is kept."""
+    its `route`, `text` and `events` as they come, so a killed stream's part is kept. Sets
+    `whole` once it is served whole on the prefill replica and has had its first tokens."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -209,6 +212,8 @@ def stream(server: Server, prompt: str, out: dict[str, Any]) -> None:
                 event = json.loads(line.removeprefix("data: "))
                 out["events"].append(event)
                 out["text"] += "".join(c.get("text") or "" for c in event.get("choices") or [])
+                if out["text"] and "served whole on prefill" in out["route"]:
+                    whole.set()
 
 
 def test_prefill_killed_while_serving_whole_requests(server: Server) -> None:
@@ -219,13 +224,18 @@ def test_prefill_killed_while_serving_whole_requests(server: Server) -> None:
     [pid] = replica_pids("pdserve", "prefill")
     prompts = [f"drill stream {i:04d}" for i in range(BURST)]
     outs: list[dict[str, Any]] = [{"route": "", "text": "", "events": []} for _ in prompts]
+    # Killed as soon as the client sees an overflowed stream's first tokens, which is
+    # certain to be mid-stream: the replica's load report may lag a stream that decodes fast.
+    whole = threading.Event()
     with ThreadPoolExecutor(BURST) as pool:
-        futures = [pool.submit(stream, server, p, o) for p, o in zip(prompts, outs, strict=True)]
-
-        def whole_running() -> bool:
-            return server.stats()["pools"]["prefill"]["num_running"] > 0
-
-        wait_until(whole_running, LOADS_TIMEOUT_S, "an overflowed stream on the prefill replica")
+        futures = [
+            pool.submit(stream, server, p, o, whole) for p, o in zip(prompts, outs, strict=True)
+        ]
+        deadline = time.monotonic() + LOADS_TIMEOUT_S
+        while not whole.wait(0.1):
+            if all(f.done() for f in futures) or time.monotonic() > deadline:
+                [f.result() for f in futures if f.done()]  # a stream's own error first
+                pytest.fail(f"no stream served whole on prefill: {[o['route'] for o in outs]}")
         assert signal_pid(pid, signal.SIGKILL)
         for future in futures:
             future.result(timeout=120)  # every stream ends: none hangs
