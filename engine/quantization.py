@@ -174,10 +174,12 @@ class Fp8Linear(nn.Module):
         return torch.addmm(self.bias, x, weight)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - needs CUDA
-        # Per-token activation scales; _scaled_mm wants the second operand column-major,
-        # which `weight_t` becomes once at load (`finish_loading`).
-        x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=1e-12)
-        x_q = (x.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        # Per-token activation scales (`engine.kernels.fp8.quantize_per_token`, one Triton
+        # kernel); _scaled_mm wants the second operand column-major, which `weight_t`
+        # becomes once at load (`finish_loading`).
+        from engine.kernels.triton.fp8_quant import quantize_per_token_triton
+
+        x_q, x_scale = quantize_per_token_triton(x)
         out = torch._scaled_mm(
             x_q,
             self.weight_t,

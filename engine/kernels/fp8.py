@@ -1,4 +1,5 @@
-"""FP8 KV cache numerics: `float8_e4m3fn` storage with one static scale per KV head.
+"""FP8 numerics: the KV cache's `float8_e4m3fn` storage with one static scale per KV head,
+and the per-token quantization of activations before an FP8 projection (at the end).
 
 A K (or V) value `x` of kv head `h` is stored as `fp8(clamp(x / scale[h], ±448))` and read
 back as `fp8_value * scale[h]`. Scales are float32 `[num_kv_heads]` per layer; they are
@@ -16,6 +17,7 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8_DTYPE)
+MIN_TOKEN_SCALE = 1e-12  # an all-zero row's scale (any positive value quantizes it to 0)
 
 
 def is_fp8(tensor: torch.Tensor) -> bool:
@@ -63,3 +65,11 @@ def check_kv_scales(
             )
         if scale.device != k_cache.device:
             raise ValueError(f"{name} is on {scale.device} but the cache is on {k_cache.device}")
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations `[rows, cols]` to FP8 with one float32 scale per row (`[rows, 1]`,
+    `max|row| / 448`), as an FP8 projection takes them (`engine.quantization.Fp8Linear`);
+    the reference for `engine.kernels.triton.fp8_quant`."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_TOKEN_SCALE)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
