@@ -17,6 +17,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kernels import paged_attention, write_kv_cache
 from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.norm_rope import apply_rope, rms_norm
 from engine.kv_cache import TORCH_DTYPES, KVCache
 from engine.parallel import TensorParallel, shard_state_dict, single
 from engine.quantization import Fp8Linear, pop_kv_scale, prepare_fp8_weights
@@ -25,18 +26,18 @@ LayerHook = Callable[[int], None]
 
 
 class RMSNorm(nn.Module):
+    """`forward(x, residual)`: `(norm(x + residual), x + residual)`, the add fused into the
+    norm on CUDA (`engine.kernels.norm_rope.rms_norm`)."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # one fused op; same math as below when no cast is needed
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -83,15 +84,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # [num_tokens, 1, head_dim] each, broadcast over heads
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
 
 
 class Linear(nn.Module):
@@ -199,14 +191,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, metadata)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`h`: the previous layer's MLP output (the embeddings for layer 0, `residual`
+        None); `residual`: the stream it adds to. Returns this layer's (MLP output,
+        residual); each add is fused into the norm after it."""
+        x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, k_cache, v_cache, metadata)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -242,11 +240,13 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self._embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary(positions)
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache.key_caches[i], kv_cache.value_caches[i], metadata)
+            k_cache, v_cache = kv_cache.key_caches[i], kv_cache.value_caches[i]
+            h, residual = layer(h, residual, cos, sin, k_cache, v_cache, metadata)
             if layer_hook is not None:
                 layer_hook(i)  # layer i's K/V for this step are in the cache now
-        return self.norm(h)
+        return self.norm(h, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -13,6 +13,7 @@ import torch
 from engine.kernels.cache_write import write_kv_cache_ref
 from engine.kernels.kv_pack import pack_kv_blocks_ref, packed_shape, unpack_kv_blocks_ref
 from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.norm_rope import apply_rope_ref, rms_norm_ref
 from engine.kernels.paged_attention import paged_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,9 +29,25 @@ pytest.importorskip("triton")
 from engine.kernels.triton.cache_write import write_kv_cache_triton  # noqa: E402
 from engine.kernels.triton.fp8_quant import quantize_per_token_triton  # noqa: E402
 from engine.kernels.triton.kv_pack import pack_kv_blocks_triton, unpack_kv_blocks_triton  # noqa: E402
+from engine.kernels.triton.norm_rope import apply_rope_triton, rms_norm_triton  # noqa: E402
 from engine.kernels.triton.paged_attention import paged_attention_triton  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# The interpreter truncates float32 -> bfloat16 (22.2 -> 22.125, not 22.25); compiled
+# kernels round to nearest as torch does. Where a kernel rounds to bf16 several times,
+# results under the interpreter are compared within a few bf16 steps of the values'
+# magnitude, and on CUDA bit for bit.
+TRUNCATES_BF16 = DEVICE == "cpu"
+
+
+def assert_rounded_as(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal, or close for bfloat16 the interpreter rounded (`TRUNCATES_BF16`)."""
+    if TRUNCATES_BF16 and expected.dtype == torch.bfloat16:
+        steps = 4 * torch.finfo(torch.bfloat16).eps
+        atol = steps * expected.float().abs().max().item()
+        torch.testing.assert_close(got, expected, atol=atol, rtol=steps)
+    else:
+        assert torch.equal(got, expected)
 
 
 def on_device(metadata: AttentionMetadata) -> AttentionMetadata:
@@ -131,6 +148,51 @@ def test_paged_attention(
     expected = paged_attention_ref(batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale)
     atol, rtol = tolerances[dtype]
     torch.testing.assert_close(out.cpu(), expected, atol=atol, rtol=rtol)
+
+
+# ---- RMSNorm with its residual add, rotary embedding ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("hidden", [64, 1000])
+def test_rms_norm(hidden: int, with_residual: bool, dtype: torch.dtype) -> None:
+    """The residual sum bit for bit; the normed values within one rounding of the model
+    dtype (the float32 sum runs in another order) and nearly all equal."""
+    torch.manual_seed(5)
+    x = (torch.randn(7, hidden) * 3).to(dtype)
+    residual = (torch.randn(7, hidden) * 10).to(dtype) if with_residual else None
+    weight = (torch.rand(hidden) + 0.5).to(dtype)
+    out, new_residual = rms_norm_triton(
+        x.to(DEVICE),
+        weight.to(DEVICE),
+        1e-5,
+        None if residual is None else residual.to(DEVICE),
+    )
+    expected, expected_residual = rms_norm_ref(x, weight, 1e-5, residual)
+    assert out.dtype == dtype and new_residual.dtype == dtype
+    assert_rounded_as(new_residual.cpu(), expected_residual)
+    if TRUNCATES_BF16 and dtype == torch.bfloat16:
+        assert_rounded_as(out.cpu(), expected)
+        return
+    torch.testing.assert_close(out.cpu(), expected, atol=0, rtol=2 * torch.finfo(dtype).eps)
+    assert (out.cpu() == expected).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(5, 16), (3, 24)])
+def test_rope(num_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Bit for bit the torch form, on q/k heads read from a fused QKV row (strided)."""
+    torch.manual_seed(6)
+    tokens = 6
+    qkv = (torch.randn(tokens, num_heads + 2, head_dim) * 4).to(dtype)
+    x = qkv[:, :num_heads]  # token stride (num_heads + 2) * head_dim
+    angles = torch.rand(tokens, 1, head_dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    out = apply_rope_triton(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE))
+    assert out.is_contiguous()
+    assert_rounded_as(out.cpu(), apply_rope_ref(x, cos, sin))
 
 
 # ---- FP8 KV cache (per-head scales) ------------------------------------------------------

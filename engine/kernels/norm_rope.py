@@ -1,0 +1,64 @@
+"""RMSNorm (with the residual add before it) and rotary embedding, as the decoder runs them.
+
+On the CPU these are the torch forms below, which are also the references. On CUDA each is
+one Triton kernel (`engine.kernels.triton.norm_rope`): in an eager step the torch forms
+launch eight kernels per norm and six per rotary, about half of a step's kernels, and the
+host time to launch them set an eager step's pace (BENCHMARKS.md, the H200 profile).
+
+Numerics follow `transformers`: the residual add and every product round to the model
+dtype where torch's would; the norm's statistic is taken in float32. The Triton rotary is
+bit for bit the torch form; the Triton norm sums in another order, so a bf16 value can
+differ in its last bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(norm(x + residual) * weight, x + residual)` over the last dimension of `x`
+    `[num_tokens, hidden]` (`residual` None: nothing added, and `x` itself comes back as
+    the new residual)."""
+    if x.is_cuda and x.dtype in LOW_PRECISION and weight.dtype == x.dtype:
+        from engine.kernels.triton.norm_rope import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch form of `rms_norm` (transformers' `LlamaRMSNorm` after the residual add)."""
+    if residual is not None:
+        x = x + residual
+    dtype = x.dtype
+    if dtype == torch.float32:  # one fused op; same math as below when no cast is needed
+        return F.rms_norm(x, weight.shape, weight, eps), x
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype), x
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x` `[num_tokens, num_heads, head_dim]` (rows may be strided,
+    as a split of the fused QKV output is) with `cos`/`sin` `[num_tokens, 1, head_dim]`
+    (each half of a row holds the same frequencies); a new contiguous tensor."""
+    if x.is_cuda:
+        from engine.kernels.triton.norm_rope import apply_rope_triton
+
+        return apply_rope_triton(x, cos, sin)
+    return apply_rope_ref(x, cos, sin)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch form of `apply_rope` (transformers' `rotate_half` form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
