@@ -33,6 +33,7 @@ from app.admission.fallback import FALLBACK_HEADER, MODEL_HEADER
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
+    APIError,
     BadRequestError,
     PayloadTooLargeError,
     ServiceUnavailableError,
@@ -149,18 +150,25 @@ class Ingress:
         stream: bool,
         include_usage: bool,
     ) -> Response:
-        if not stream:
-            async for index, delta in self.frontend.run(prepared):
-                builder.add(index, delta)
-            headers = self._headers(prepared, builder)
-            return JSONResponse(builder.build().model_dump(mode="json"), headers=headers)
-        # Wait for the first delta before answering, so an early error (quota, a pool
-        # that is down) is a real 4xx/5xx status rather than an in-band SSE error.
-        batches = self.frontend.run_batches(prepared)
+        """Run the routed request. An error before the response starts is its status code
+        with the route's headers (where a 503 `replica_lost` was placed, for one)."""
         try:
-            first = await anext(batches)
-        except StopAsyncIteration:
-            first = []
+            if not stream:
+                async for index, delta in self.frontend.run(prepared):
+                    builder.add(index, delta)
+                headers = self._headers(prepared, builder)
+                return JSONResponse(builder.build().model_dump(mode="json"), headers=headers)
+            # Wait for the first delta before answering, so an early error (quota, a pool
+            # that is down) is a real 4xx/5xx status rather than an in-band SSE error.
+            batches = self.frontend.run_batches(prepared)
+            try:
+                first = await anext(batches)
+            except StopAsyncIteration:
+                first = []
+        except APIError as exc:
+            for name, value in self._headers(prepared, builder).items():
+                exc.headers.setdefault(name, value)
+            raise
         headers = self._headers(prepared, builder)  # the first delta settled the pool
 
         async def rest() -> AsyncIterator[list[tuple[int, Any]]]:

@@ -7,8 +7,9 @@ host time to launch them set an eager step's pace (BENCHMARKS.md, the H200 profi
 
 Numerics follow `transformers`: the residual add and every product round to the model
 dtype where torch's would; the norm's statistic is taken in float32. The Triton rotary is
-bit for bit the torch form; the Triton norm sums in another order, so a bf16 value can
-differ in its last bit.
+bit for bit the torch form; the Triton norm sums in another order (and its mean's division
+and rsqrt are approximate, as torch's rsqrt is), so a bf16 or fp16 value can differ in its
+last bit.
 """
 
 from __future__ import annotations

@@ -296,6 +296,7 @@ def test_quota_exceeded_is_429(server: Server) -> None:
         response = _complete(server, INITECH, prompt_of(100))
         assert response.status_code == 429, response.text
         assert int(response.headers["retry-after"]) >= 1
+        assert "-> pool" in response.headers["x-pdserve-route"]  # where it would have run
         error = response.json()["error"]
         assert error["type"] == "rate_limit_error"
         assert error["code"] == "tenant_concurrent_requests"

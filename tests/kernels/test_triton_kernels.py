@@ -155,12 +155,13 @@ def test_paged_attention(
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "add-norm"])
-@pytest.mark.parametrize("hidden", [64, 1000])
+@pytest.mark.parametrize("hidden", [64, 1000, 8192])
 def test_rms_norm(hidden: int, with_residual: bool, dtype: torch.dtype) -> None:
     """The residual sum bit for bit; the normed values within one rounding of the model
-    dtype (the float32 sum runs in another order) and nearly all equal."""
+    dtype (the float32 sum runs in another order) and nearly all equal. `x` is read
+    through a row stride, as from a split."""
     torch.manual_seed(5)
-    x = (torch.randn(7, hidden) * 3).to(dtype)
+    x = (torch.randn(7, hidden + 5) * 3).to(dtype)[:, :hidden]
     residual = (torch.randn(7, hidden) * 10).to(dtype) if with_residual else None
     weight = (torch.rand(hidden) + 0.5).to(dtype)
     out, new_residual = rms_norm_triton(
@@ -248,12 +249,22 @@ def test_per_token_quant_fp8(shape: tuple[int, int], dtype: torch.dtype) -> None
     assert torch.equal(scale.cpu(), scale_ref)
     assert scale_ref[1].item() == pytest.approx(MIN_TOKEN_SCALE)
     assert not torch.isnan(q_ref.float()).any()  # the row past the range was clamped
+    # A NaN poisons its row's scale and values, as in torch; other rows are unaffected.
+    poisoned, last = x.clone(), rows - 1
+    poisoned[last, 5] = float("nan")
+    q_nan, scale_nan = quantize_per_token_triton(poisoned.to(DEVICE))
+    assert torch.isnan(scale_nan[last]).all()
+    if DEVICE == "cuda":  # the interpreter casts a NaN to e4m3 as 384 (see below)
+        assert torch.isnan(q_nan[last].cpu().float()).all()
+    assert torch.isnan(quantize_per_token(poisoned)[0][last].float()).all()
+    assert torch.equal(scale_nan.cpu()[:last], scale_ref[:last])
     q = q.cpu()
     if DEVICE == "cpu":
         # The interpreter's float32 -> e4m3 cast is not torch's: it can halve a value that
         # rounds up to a power of two (126.4 -> 64, not 128), breaks ties away from even
-        # (-84 -> -88) and rounds subnormals coarsely. Compiled kernels round as torch
-        # does, bit for bit (the GPU run). Here: those few left out, the rest within a step.
+        # (-84 -> -88), rounds subnormals coarsely and turns a NaN into 384. Compiled
+        # kernels round as torch does, bit for bit (the GPU run). Here: those few left out,
+        # the rest within a step.
         ref, got = q_ref.float(), q.float()
         crossed = (ref.abs() > (x.float() / scale_ref).abs()) & (torch.frexp(ref)[0].abs() == 0.5)
         assert crossed.float().mean() < 0.1

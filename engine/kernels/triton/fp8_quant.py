@@ -28,20 +28,29 @@ def _per_token_quant_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # A NaN makes the row's scale NaN, hence the whole row NaN, as torch's amax does
+    # (Triton's max skips NaNs): a numerical blow-up stays visible.
+    amax = tl.max(tl.abs(x), axis=0)
+    amax = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)
     # div_rn rounds as torch does (plain / is approximate on CUDA); clamp before the
     # cast: past 448 it gives NaN on CUDA
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
-    q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    nan = tl.PropagateNan.ALL
+    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=nan)
+    q = tl.minimum(
+        tl.maximum(tl.div_rn(x, scale), -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan
+    )
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`engine.kernels.fp8.quantize_per_token` in one Triton kernel: `x` `[rows, cols]`
-    (rows contiguous) to FP8 values and float32 scales `[rows, 1]`, bit for bit."""
+    (each row's elements contiguous) to FP8 values and float32 scales `[rows, 1]`, bit for
+    bit for finite rows; a row holding a NaN comes out all NaN, as there. One program holds
+    a whole row: fine up to Llama-3-70B's widest input (28,672)."""
     rows, cols = x.shape
     if x.stride(1) != 1:
-        raise ValueError(f"x's rows must be contiguous, got strides {x.stride()}")
+        raise ValueError(f"each row of x must be contiguous, got strides {x.stride()}")
     q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows == 0:

@@ -44,7 +44,14 @@ def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`engine.kernels.norm_rope.rms_norm` in one Triton kernel (x, residual and weight of
-    one dtype; rows contiguous)."""
+    one dtype; rows may be strided, their elements contiguous). One program holds a whole
+    row: fine up to Llama-3-70B's hidden size (8,192)."""
+    if x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"x must be [num_tokens, hidden] with contiguous rows, got {x.stride()}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} must be like x {tuple(x.shape)}")
+    if weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        raise TypeError(f"x, residual and weight must share one dtype, x is {x.dtype}")
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     new_residual = x if residual is None else torch.empty_like(x)
