@@ -29,8 +29,20 @@ def rms_norm(
     if x.is_cuda and x.dtype in LOW_PRECISION and weight.dtype == x.dtype:
         from engine.kernels.triton.norm_rope import rms_norm_triton
 
+        _check_rows(x, weight, residual)
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """What the Triton norm reads: `[num_tokens, hidden]` rows whose elements are contiguous,
+    a contiguous weight, and a residual like `x` in `x`'s dtype."""
+    if x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"x must be [num_tokens, hidden] with contiguous rows, got {x.stride()}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} must be like x {tuple(x.shape)}")
+    if residual is not None and residual.dtype != x.dtype:
+        raise TypeError(f"residual is {residual.dtype}, x is {x.dtype}")
 
 
 def rms_norm_ref(
@@ -54,6 +66,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if x.is_cuda:
         from engine.kernels.triton.norm_rope import apply_rope_triton
 
+        if x.stride(2) != 1 or cos.stride(2) != 1 or sin.stride(2) != 1:
+            raise ValueError("x, cos and sin need contiguous head_dim")
+        if cos.dtype != x.dtype or sin.dtype != x.dtype:
+            raise TypeError(f"cos/sin {cos.dtype}/{sin.dtype} must be x's dtype {x.dtype}")
+        if x.shape[2] % 2:
+            raise ValueError(f"head_dim must be even, got {x.shape[2]}")
         return apply_rope_triton(x, cos, sin)
     return apply_rope_ref(x, cos, sin)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.kernels.cache_write import write_kv_cache_ref
+from engine.kernels.fp8 import MIN_TOKEN_SCALE, quantize_per_token
 from engine.kernels.kv_pack import pack_kv_blocks_ref, packed_shape, unpack_kv_blocks_ref
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.norm_rope import apply_rope_ref, rms_norm_ref
@@ -235,8 +236,6 @@ def test_cache_write_fp8(dtype: torch.dtype) -> None:
 def test_per_token_quant_fp8(shape: tuple[int, int], dtype: torch.dtype) -> None:
     """Bit for bit the torch form: values and scales, a zero row (the floor scale) and a
     row past the FP8 range included; rows read through a stride, as from a split."""
-    from engine.kernels.fp8 import MIN_TOKEN_SCALE, quantize_per_token
-
     torch.manual_seed(4)
     rows, cols = shape
     wide = torch.randn(rows, cols + 7) * torch.logspace(-3, 3, rows).view(-1, 1)

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_TOKEN_SCALE
+from engine.kernels.triton import row_warps
 
 
 @triton.jit
@@ -66,6 +67,6 @@ def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         FP8_MAX=FP8_MAX,
         MIN_SCALE=MIN_TOKEN_SCALE,
         BLOCK=block,
-        num_warps=max(1, min(16, block // 512)),
+        num_warps=row_warps(block),
     )
     return q, scale

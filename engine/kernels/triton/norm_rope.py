@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton import row_warps
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -43,15 +45,9 @@ def _rms_norm_kernel(
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`engine.kernels.norm_rope.rms_norm` in one Triton kernel (x, residual and weight of
-    one dtype; rows may be strided, their elements contiguous). One program holds a whole
-    row: fine up to Llama-3-70B's hidden size (8,192)."""
-    if x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError(f"x must be [num_tokens, hidden] with contiguous rows, got {x.stride()}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual {tuple(residual.shape)} must be like x {tuple(x.shape)}")
-    if weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
-        raise TypeError(f"x, residual and weight must share one dtype, x is {x.dtype}")
+    """`engine.kernels.norm_rope.rms_norm` in one Triton kernel; arguments already checked
+    (x, residual and weight of one dtype; rows may be strided, their elements contiguous).
+    One program holds a whole row: fine up to Llama-3-70B's hidden size (8,192)."""
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
     new_residual = x if residual is None else torch.empty_like(x)
@@ -73,7 +69,7 @@ def rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        num_warps=max(1, min(16, block // 512)),
+        num_warps=row_warps(block),
     )
     return out, new_residual
 
@@ -120,14 +116,8 @@ def _rope_kernel(
 
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`engine.kernels.norm_rope.apply_rope` in one Triton kernel, bit for bit (no fused
-    multiply-add: torch multiplies and adds in separate kernels)."""
+    multiply-add: torch multiplies and adds in separate kernels); arguments already checked."""
     num_tokens, num_heads, head_dim = x.shape
-    if x.stride(2) != 1 or cos.stride(2) != 1 or sin.stride(2) != 1:
-        raise ValueError("x, cos and sin need contiguous head_dim")
-    if cos.dtype != x.dtype or sin.dtype != x.dtype:
-        raise TypeError(f"cos/sin {cos.dtype}/{sin.dtype} must be x's dtype {x.dtype}")
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
