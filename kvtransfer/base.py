@@ -25,8 +25,8 @@ import torch
 
 from engine.kv_cache import KVCacheSpec
 
-# The cache memory layout both ends assume: `[layers, 2 (K, V), blocks, slots, kv_heads,
-# head_dim]`. Bump when engine/kv_cache.py changes it.
+# The cache layout both ends assume, `[layers, 2 (K, V), blocks, slots, kv_heads, head_dim]`:
+# bump when engine/kv_cache.py changes it.
 KV_MEMORY_LAYOUT = "layer.kv.block.slot.head.dim/v1"
 
 ReleaseFn = Callable[[str], None]
@@ -116,10 +116,10 @@ class UnknownTransferError(KVTransferError):
     """No transfer with this request id is known (never opened, or long forgotten)."""
 
 
-# Errors that cross the wire by name (any other name arrives as a KVTransferError);
+# Errors cross the wire by name (an unknown name arrives as a KVTransferError);
 # KVLayoutMismatchError travels with its differences.
-_SIMPLE: list[type[KVTransferError]] = [KVTransferError, PeerTimeoutError, ProtocolError]
-_WIRE_ERRORS = {c.__name__: c for c in _SIMPLE + KVTransferError.__subclasses__()}
+_WIRE_ERRORS = {c.__name__: c for c in KVTransferError.__subclasses__()}
+_WIRE_ERRORS |= {c.__name__: c for c in (KVTransferError, PeerTimeoutError, ProtocolError)}
 del _WIRE_ERRORS["KVLayoutMismatchError"]
 
 
@@ -175,8 +175,8 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, obj: object) -> KVLayout:
-        """A layout from its `to_dict` form (unknown keys ignored); ProtocolError if malformed
-        (a peer's handshake)."""
+        """Inverse of `to_dict` (unknown keys ignored); ProtocolError if malformed (a peer's
+        handshake)."""
         given = obj if isinstance(obj, dict) else {}
         try:
             return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
@@ -239,15 +239,12 @@ class TransferOptions:
     def __post_init__(self) -> None:
         if self.secret is not None and len(self.secret) < 16:
             raise ValueError("TransferOptions.secret must be at least 16 characters")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        for name in ("handshake_timeout_s", "idle_timeout_s"):
+        for name in ("max_connections", "handshake_timeout_s", "idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-_last_epoch = 0
-_epoch_lock = threading.Lock()
+_last_epoch, _epoch_lock = 0, threading.Lock()
 
 
 def new_epoch() -> int:

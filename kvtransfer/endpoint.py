@@ -1,6 +1,6 @@
-"""What a `Sender` and a `Receiver` share, held by each (composition, not a base class):
-the transfer table and its reaper thread, the open connections and their reader threads,
-refusal counts, expiry, and closing."""
+"""`Endpoint`, the base of `Sender` and `Receiver`: the transfer table and its reaper
+thread, the open connections and their reader threads, refusal counts, expiry, closing,
+and the queries either side answers about a transfer. Thread-safe."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Self
 
 from kvtransfer.base import (
     KVTransferError,
     PeerLostError,
     PeerTimeoutError,
     ProtocolError,
+    ReleaseFn,
     TransferAbortedError,
     TransferExpiredError,
     TransferOptions,
@@ -28,39 +30,73 @@ ConnFn = Callable[[Connection], None]
 
 
 class Endpoint:
-    """Held by one `Sender` or `Receiver` (`role`), which passes its `terminate` (end a
-    transfer from its side) and the `housekeeping` its reaper does after expiring overdue
-    transfers (default: `table.sweep()`). Thread-safe."""
+    """A subclass sets its own state, then calls this `__init__` (which starts the
+    reaper), then starts its threads; it defines `_terminate` (end a transfer from its
+    side) and may extend `_housekeeping` (run by the reaper after expiring transfers)."""
+
+    role = "endpoint"
 
     def __init__(
         self,
-        role: str,
         backend: str,
         options: TransferOptions,
-        table: TransferTable,
-        terminate: Callable[[str, TransferState, KVTransferError], None],
-        housekeeping: Callable[[], None] | None = None,
+        release: ReleaseFn,
+        *,
+        release_on_done: bool,
+        fence: Callable[[], None] | None = None,
     ) -> None:
-        self.role, self.table, self.closed = role, table, False
-        self.lock = threading.Lock()  # guards `connections` and `refusals`
+        self.backend, self.options, self.closed = backend, options, False
+        self._table = TransferTable(
+            release,
+            release_on_done=release_on_done,
+            fence_timeout_s=options.fence_timeout_s,
+            ttl_s=options.tombstone_ttl_s,
+            fence=fence,
+        )
+        self._lock = threading.Lock()  # guards `connections` and `refusals`
         self.connections: set[Connection] = set()
         self.refusals: Counter[str] = Counter()  # why peers were cut off, by reason
-        self._close_lock = threading.Lock()
-        self._terminate, self._housekeeping = terminate, housekeeping or table.sweep
-        self._prefix, self._stopped = f"kv-{backend}-{role}", threading.Event()
-        self._reaper = self.every("reaper", options.reap_interval_s, self._reap)
+        self._close_lock, self._stopped = threading.Lock(), threading.Event()
+        self._reaper = self._every("reaper", options.reap_interval_s, self._reap)
 
-    def start(self, what: str, target: Callable[..., None], *args: object) -> threading.Thread:
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def poll(self, request_id: str) -> TransferState:
+        """The transfer's state (decode polls when a prefill call returns, and for a
+        reservation whose lease expired); never blocks, frees nothing."""
+        return self._table.require(request_id).state
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        """Block up to `timeout_s` for a terminal state; frees nothing."""
+        return self._table.wait(request_id, timeout_s)
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        """Why a transfer ended FAILED/ABORTED/EXPIRED (None otherwise)."""
+        return self._table.require(request_id).error
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _terminate(self, request_id: str, state: TransferState, error: KVTransferError) -> None:
+        raise NotImplementedError
+
+    def _housekeeping(self) -> None:
+        self._table.sweep()
+
+    def _start(self, what: str, target: Callable[..., None], *args: object) -> threading.Thread:
         """Start a daemon thread named for this endpoint."""
-        thread = threading.Thread(target=target, args=args, name=f"{self._prefix}-{what}")
-        thread.daemon = True
+        name = f"kv-{self.backend}-{self.role}-{what}"
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         return thread
 
-    def every(self, what: str, interval_s: float, tick: Callable[[], None]) -> threading.Thread:
-        """Start a daemon thread that runs `tick` every `interval_s` until `end_close` (a
-        failed tick is logged; the next one still runs). `end_close` joins the reaper; the
-        owner passes its other such threads to it."""
+    def _every(self, what: str, interval_s: float, tick: Callable[[], None]) -> threading.Thread:
+        """A daemon thread running `tick` every `interval_s` until `_end_close` (a failed
+        tick is logged; the next one still runs)."""
 
         def loop() -> None:
             while not self._stopped.wait(interval_s):
@@ -69,32 +105,31 @@ class Endpoint:
                 except Exception:
                     logger.exception("%s %s tick failed", self.role, what)
 
-        return self.start(what, loop)
+        return self._start(what, loop)
 
     def _reap(self) -> None:
-        """Reaper thread: end overdue transfers EXPIRED, then the owner's housekeeping."""
-        for request_id in self.table.overdue(time.monotonic()):
+        for request_id in self._table.overdue(time.monotonic()):
             expired = TransferExpiredError("ticket deadline passed")
             self._terminate(request_id, TransferState.EXPIRED, expired)
         self._housekeeping()
 
-    def count(self, reason: str) -> None:
-        with self.lock:
+    def _count(self, reason: str) -> None:
+        with self._lock:
             self.refusals[reason] += 1
 
-    def serve(self, conn: Connection, body: ConnFn, drop: ConnFn) -> None:
+    def _run_connection(self, conn: Connection, body: ConnFn, drop: ConnFn) -> None:
         """A connection's thread: run `body` (read its frames); whatever ended it, mark it
         dead, let the owner `drop` its transfers, then close and forget it. A peer breaking
         the protocol fails the transfers bound to it."""
         try:
             body(conn)
         except ProtocolError as exc:
-            self.count("protocol_error")
+            self._count("protocol_error")
             logger.warning("closing %s connection %s: %s", self.role, conn.name, exc)
-            for record in self.table.bound_to(conn):
+            for record in self._table.bound_to(conn):
                 self._terminate(record.request_id, TransferState.FAILED, exc)
         except PeerTimeoutError as exc:
-            self.count("handshake_timeout")
+            self._count("handshake_timeout")
             logger.debug("%s connection %s: %s", self.role, conn.name, exc)
         except PeerLostError as exc:
             logger.debug("%s connection %s lost: %s", self.role, conn.name, exc)
@@ -106,18 +141,18 @@ class Endpoint:
                 drop(conn)
             finally:  # even when the data path's `disconnected` raises
                 conn.fs.close()
-                with self.lock:
+                with self._lock:
                     self.connections.discard(conn)
 
     @staticmethod
-    def read(conn: Connection, dispatch: Callable[[Connection, Header], None]) -> None:
+    def _read(conn: Connection, dispatch: Callable[[Connection, Header], None]) -> None:
         """Dispatch frames in order until EOF, noting whether the peer closed first."""
         while (header := conn.fs.recv_header()) is not None:
             conn.last_used = time.monotonic()
             dispatch(conn, header)
         conn.state["peer_closed"] = not conn.fs.closed
 
-    def problem(self, threads: dict[str, threading.Thread]) -> str | None:
+    def _problem(self, **threads: threading.Thread) -> str | None:
         """For `serving_problem`: closed, or which essential thread died."""
         if self.closed:
             return f"{self.role} closed"
@@ -126,25 +161,25 @@ class Endpoint:
                 return f"{self.role} {what} thread died"
         return None
 
-    def begin_close(self) -> bool:
+    def _begin_close(self) -> bool:
         """First call only (else False): refuse new work and abort every open transfer."""
         with self._close_lock:
             if self.closed:
                 return False
             self.closed = True
-        for record in self.table.records(lambda r: not r.state.is_terminal):
+        for record in self._table.records(lambda r: not r.state.is_terminal):
             error = TransferAbortedError(f"{self.role} closed")
             self._terminate(record.request_id, TransferState.ABORTED, error)
         return True
 
-    def end_close(self, *threads: threading.Thread) -> None:
+    def _end_close(self, *threads: threading.Thread) -> None:
         """Stop the reaper, join `threads` (told to stop already), close every connection
         and join its thread."""
         self._stopped.set()
         for thread in (self._reaper, *threads):
             if thread is not threading.current_thread():
                 thread.join(timeout=5.0)
-        with self.lock:
+        with self._lock:
             connections = list(self.connections)
         for conn in connections:
             conn.fs.close()

@@ -1,8 +1,7 @@
-"""The decode side: a `Receiver` owns the destination cache and takes transfers into it.
-
-It holds an `Endpoint` and one `Landing` (the backend's data path). One thread accepts
-connections (at most `max_connections`; idle ones with no transfer bound are closed); one
-per connection reads its frames in order:
+"""The decode side: a `Receiver` owns the destination cache and takes transfers into it
+through one `Landing` (the backend's data path). One thread accepts connections (at most
+`max_connections`; idle ones with no transfer bound are closed); one per connection reads
+its frames in order:
 
     accept ──▶ CHALLENGE; HELLO ──proof of the secret (`auth`), version, layout──▶ WELCOME
     BEGIN(rid, epoch) ──epoch, ticket open?──▶ ACCEPT (rid bound to this connection) | REJECT
@@ -14,8 +13,8 @@ A transfer ended here (abort, expiry, bad checksum) is sent ABORT, and its block
 *fenced* until the sender's ABORT_ACK is read (frames come in order: a layer being landed
 is then complete) or the connection dies. Past `fence_timeout_s` without either, a
 connection whose bytes this process lands (tcp, nccl) is cut and the blocks go once the
-layer in flight is done; blocks another process writes (`Landing.remote_writer`: shm)
-stay *quarantined* until its ABORT_ACK or its death (`Landing.writer_running`).
+layer in flight is done; blocks another process writes (`Landing.remote_writer`: shm,
+cuda_ipc) stay *quarantined* until its ABORT_ACK or its death (`Landing.writer_running`).
 """
 
 from __future__ import annotations
@@ -45,22 +44,18 @@ from kvtransfer.base import (
 )
 from kvtransfer.datapath import Landing
 from kvtransfer.endpoint import Endpoint
-from kvtransfer.table import TransferRecord, TransferTable
-from kvtransfer.wire import (
-    MAX_CONTROL_BYTES,
-    Connection,
-    FrameSocket,
-    Header,
-    Kind,
-)
+from kvtransfer.table import TransferRecord
+from kvtransfer.wire import MAX_CONTROL_BYTES, Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
 
 
-class Receiver:
-    """Decode side of every backend; thread-safe. `release(request_id)` runs exactly once
-    per ticket that ends FAILED, ABORTED or EXPIRED (maybe on an internal thread: it must
-    not block long); DONE blocks stay with the decode request."""
+class Receiver(Endpoint):
+    """Decode side of every backend. `release(request_id)` runs exactly once per ticket
+    that ends FAILED, ABORTED or EXPIRED (maybe on an internal thread: it must not block
+    long); DONE blocks stay with the decode request."""
+
+    role = "receiver"
 
     def __init__(
         self,
@@ -75,58 +70,31 @@ class Receiver:
         """Called by `create_receiver` once per decode replica; starts the threads."""
         if landing.kv_cache.spec != spec:
             raise ValueError(f"kv_cache spec {landing.kv_cache.spec} != receiver spec {spec}")
-        self.backend, self.spec, self.options = landing.backend, spec, options
-        self.epoch = new_epoch() if epoch is None else epoch
+        self.spec, self.epoch = spec, new_epoch() if epoch is None else epoch
         self.layout, self._landing = KVLayout.from_spec(spec, model_id), landing
         self.kv_cache: KVCache = landing.kv_cache  # the destination (shm: shared memory)
         self.endpoint: str = landing.endpoint  # the address senders connect to, in tickets
-        self._table = TransferTable(
-            release,
-            release_on_done=False,
-            fence_timeout_s=options.fence_timeout_s,
-            ttl_s=options.tombstone_ttl_s,
-            fence=landing.fence,
+        self._next_idle_check = 0.0
+        super().__init__(
+            landing.backend, options, release, release_on_done=False, fence=landing.fence
         )
-        ep = Endpoint("receiver", self.backend, options, self._table, self._terminate, self._sweep)
-        self._ep, self._next_idle_check = ep, 0.0
         landing.listener.settimeout(0.2)
-        self._accept_thread = self._ep.start("accept", self._accept_loop)
-
-    def __enter__(self) -> Receiver:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self._accept_thread = self._start("accept", self._accept_loop)
 
     def open_ticket(self, request_id: str, block_ids: Sequence[int], deadline_s: float) -> Ticket:
         """Called by decode after it reserved `block_ids` for a request. The transfer starts
         PENDING and expires `deadline_s` seconds from now. Frees nothing; from now on the
         blocks come back through `release` unless the transfer ends DONE."""
-        if self._ep.closed:
+        if self.closed:
             raise RuntimeError("receiver is closed")
-        ids = tuple(int(b) for b in block_ids)
-        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= self.spec.num_blocks:
-            raise ValueError(
-                f"block ids must be distinct, in [0, {self.spec.num_blocks}), not none"
-            )
+        ids, n = tuple(int(b) for b in block_ids), self.spec.num_blocks
+        if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= n:
+            raise ValueError(f"block ids must be distinct, in [0, {n}), not none")
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
         ticket = Ticket(request_id, self.endpoint, ids, self.layout, self.epoch, deadline_s)
         self._table.add(TransferRecord(request_id, ids, ticket.expires_at))
         return ticket
-
-    def poll(self, request_id: str) -> TransferState:
-        """Called by decode when a prefill call returns, and for a reservation whose lease
-        expired; never blocks, frees nothing."""
-        return self._table.require(request_id).state
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        """Block up to `timeout_s` for a terminal state; frees nothing."""
-        return self._table.wait(request_id, timeout_s)
-
-    def error(self, request_id: str) -> KVTransferError | None:
-        """Why a transfer ended FAILED/ABORTED/EXPIRED (None otherwise)."""
-        return self._table.require(request_id).error
 
     def num_layers_received(self, request_id: str) -> int:
         """How many layers have landed so far (progress in tests and benchmarks)."""
@@ -136,9 +104,8 @@ class Receiver:
         """Called by decode on client disconnect, preemption or prefill failure; idempotent.
         Ends the transfer ABORTED and tells the sender; the destination blocks are released
         once no sender can write them any more."""
-        self._terminate(
-            request_id, TransferState.ABORTED, TransferAbortedError("aborted by decode")
-        )
+        error = TransferAbortedError("aborted by decode")
+        self._terminate(request_id, TransferState.ABORTED, error)
 
     def transfer_counts(self) -> dict[str, int]:
         """`num_open`, `num_fenced` and `num_quarantined` transfers (replica stats): fenced
@@ -147,22 +114,22 @@ class Receiver:
 
     def endpoint_stats(self) -> dict[str, int]:
         """Connections open now, and how many peers were cut off, by reason (replica stats)."""
-        with self._ep.lock:
-            return {"connections": len(self._ep.connections), **self._ep.refusals}
+        with self._lock:
+            return {"connections": len(self.connections), **self.refusals}
 
     def serving_problem(self) -> str | None:
         """Called by the replica's health check: why no transfer can be taken now, or None."""
-        return self._ep.problem({"accept": self._accept_thread})
+        return self._problem(accept=self._accept_thread)
 
     def close(self) -> None:
         """Called once at replica shutdown: aborts open transfers (releasing their blocks),
         stops threads, closes sockets and frees shared memory. Idempotent."""
-        if not self._ep.begin_close():
+        if not self._begin_close():
             return
         self._table.wait_unfenced(1.0)  # writers that answer quickly are let finish
         with contextlib.suppress(OSError):
             self._landing.listener.close()
-        self._ep.end_close(self._accept_thread)
+        self._end_close(self._accept_thread)
         self._landing.close()
         for record in self._table.records(lambda r: r.fenced):
             self._table.unfence(record.request_id)
@@ -172,13 +139,12 @@ class Receiver:
         if not self._table.finish(request_id, state, error, fence_if_bound=True):
             return
         record = self._table.get(request_id)
-        if record is None or not isinstance(conn := record.peer, Connection):
-            return
-        conn.send_abort(request_id, state, error)
-        if self._writer_gone(record):  # the connection died already
-            self._table.unfence(request_id, conn)
+        if record is not None and isinstance(conn := record.peer, Connection):
+            conn.send_abort(request_id, state, error)
+            if self._writer_gone(record):  # the connection died already
+                self._table.unfence(request_id, conn)
 
-    def _sweep(self) -> None:
+    def _housekeeping(self) -> None:
         """Reaper: time out fences, release quarantined blocks whose writer is gone."""
         self._table.sweep(self._on_fence_timeout)
         for record in self._table.records(lambda r: r.quarantined):
@@ -205,7 +171,7 @@ class Receiver:
         return not self._landing.writer_running(conn)
 
     def _accept_loop(self) -> None:
-        while not self._ep.closed:
+        while not self.closed:
             self._close_idle_connections()
             try:
                 sock, _ = self._landing.listener.accept()
@@ -214,13 +180,13 @@ class Receiver:
             except OSError:
                 return
             conn = Connection(FrameSocket(sock, self.options.io_timeout_s), str(sock.fileno()))
-            with self._ep.lock:
-                if self._ep.closed or len(self._ep.connections) >= self.options.max_connections:
-                    self._ep.refusals["over_connection_limit"] += not self._ep.closed
+            with self._lock:
+                if self.closed or len(self.connections) >= self.options.max_connections:
+                    self.refusals["over_connection_limit"] += not self.closed
                     conn.fs.close()
                     continue
-                self._ep.connections.add(conn)
-            conn.thread = self._ep.start("recv", self._ep.serve, conn, self._serve, self._drop)
+                self.connections.add(conn)
+            conn.thread = self._start("recv", self._run_connection, conn, self._receive, self._drop)
 
     def _close_idle_connections(self) -> None:
         """Accept thread: cut idle connections without transfers (readers then drop them)."""
@@ -228,20 +194,17 @@ class Receiver:
         if now < self._next_idle_check:
             return
         self._next_idle_check = now + min(0.5, self.options.idle_timeout_s / 4)
-        with self._ep.lock:
-            connections = list(self._ep.connections)
+        with self._lock:
+            connections = list(self.connections)
         for conn in connections:
             idle = now - conn.last_used > self.options.idle_timeout_s
             if idle and not conn.fs.closed and not self._table.bound_to(conn):
-                self._ep.count("idle_timeout")
+                self._count("idle_timeout")
                 conn.fs.close()
 
-    def _serve(self, conn: Connection) -> None:
-        if self._handshake(conn):
-            self._ep.read(conn, self._dispatch)
-
-    def _handshake(self, conn: Connection) -> bool:
-        """`auth.receiver_handshake`; a refused sender is counted and logged."""
+    def _receive(self, conn: Connection) -> None:
+        """A connection's thread: `auth.receiver_handshake`, then its frames in order; a
+        refused sender is counted and logged."""
         facts = {"epoch": self.epoch, "num_blocks": self.spec.num_blocks}
         refusal = auth.receiver_handshake(
             conn.fs,
@@ -253,15 +216,14 @@ class Receiver:
         )
         if refusal is not None:
             logger.warning("refusing the sender on connection %s: %s", conn.name, refusal[1])
-            self._ep.count(refusal[0])
-            return False
+            return self._count(refusal[0])
         conn.last_used = time.monotonic()
         self._landing.connected(conn)
-        return True
+        self._read(conn, self._dispatch)
 
     def _drop(self, conn: Connection) -> None:
-        """The connection's thread ends (`Endpoint.serve`): fail its transfers, lift fences
-        where the writer stopped."""
+        """The connection's thread ends (`_run_connection`): fail its transfers, lift
+        fences where the writer stopped."""
         conn.fs.close()  # the sender sees EOF before our data path is torn down
         peer_closed = conn.state.get("peer_closed") is True
         for record in self._table.bound_to(conn):
@@ -294,8 +256,7 @@ class Receiver:
         elif kind is Kind.FINISH and record is not None and record.peer is conn:
             self._on_finish(conn, header, record)
         elif kind is Kind.ABORT and record is not None:
-            unbound = record.peer is None and header.epoch == self.epoch
-            if record.peer is conn or unbound:
+            if record.peer is conn or (record.peer is None and header.epoch == self.epoch):
                 state = TransferState.from_code(header.layer)
                 self._table.finish(rid, state, error_from_wire(body, "sender"))
                 self._table.unfence(rid, conn)  # the sender stopped before telling us

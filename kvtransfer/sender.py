@@ -48,7 +48,7 @@ from kvtransfer.base import (
 )
 from kvtransfer.datapath import ABORT_ITEM, FINISH_ITEM, LayerItem, Writing
 from kvtransfer.endpoint import Endpoint
-from kvtransfer.table import TransferRecord, TransferTable
+from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
@@ -62,10 +62,12 @@ class RejectedError(KVTransferError):
         self.state, self.cause = state, error
 
 
-class Sender:
-    """Prefill side of every backend; thread-safe. `release(request_id)` runs exactly once
-    for every request id given to `connect`, `send_layer`, `finish` or `abort`, when its
-    transfer ends (in any state): the source blocks are then unread and may be freed."""
+class Sender(Endpoint):
+    """Prefill side of every backend. `release(request_id)` runs exactly once for every
+    request id given to `connect`, `send_layer`, `finish` or `abort`, when its transfer
+    ends (in any state): the source blocks are then unread and may be freed."""
+
+    role = "sender"
 
     def __init__(
         self,
@@ -77,21 +79,13 @@ class Sender:
         options: TransferOptions = TransferOptions(),
     ) -> None:
         """Called by `create_sender` once per prefill replica; starts the worker thread."""
-        self.backend, self.spec, self.options = writing.backend, spec, options
-        self.layout, self._writing = KVLayout.from_spec(spec, model_id), writing
-        self._table = TransferTable(release, release_on_done=True, ttl_s=options.tombstone_ttl_s)
-        self._ep = Endpoint("sender", writing.backend, options, self._table, self._terminate)
-        self._records_lock = threading.Lock()
+        self.spec, self.layout = spec, KVLayout.from_spec(spec, model_id)
+        self._writing, self._records_lock = writing, threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}  # one handshake per endpoint
         self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
-        self._worker = self._ep.start("worker", self._work)
-        self._pinger = self._ep.every("keepalive", options.idle_timeout_s / 4, self._keep_alive)
-
-    def __enter__(self) -> Sender:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        super().__init__(writing.backend, options, release, release_on_done=True)
+        self._worker = self._start("worker", self._work)
+        self._pinger = self._every("keepalive", options.idle_timeout_s / 4, self._keep_alive)
 
     def connect(self, ticket: Ticket, timeout_s: float) -> None:
         """Called by prefill when a ticket arrives, before computing: registers the
@@ -113,7 +107,7 @@ class Sender:
         page tables), so that no transfer meets a cold one. Called by `PrefillServer.warm`
         for a decode replica (`decode/warm_up.py`) and by `pdserve bench transfer`. Raises
         PeerLostError / PeerTimeoutError / AuthenticationError when it cannot."""
-        if self._ep.closed:
+        if self.closed:
             raise PeerLostError("sender is closed")
         deadline = time.monotonic() + timeout_s
         conn = self._connection(endpoint, timeout_s)
@@ -131,7 +125,7 @@ class Sender:
         that layer's caches and the request's blocks in the ticket's order. Returns at once
         (the worker moves the layer during the next layer's compute); the blocks must stay
         untouched until `release`. ValueError: a caller bug; transfer problems end it."""
-        if self._ep.closed:
+        if self.closed:
             raise RuntimeError("sender is closed")
         if not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.spec.num_layers})")
@@ -148,22 +142,10 @@ class Sender:
     def finish(self, ticket: Ticket) -> None:
         """Called by prefill after the last `send_layer`; non-blocking. The transfer turns
         DONE when the receiver confirms every layer; `release` follows."""
-        if self._ep.closed:
+        if self.closed:
             raise RuntimeError("sender is closed")
         if self._record(ticket) is not None:
             self._queue.put(LayerItem(ticket, FINISH_ITEM))
-
-    def poll(self, request_id: str) -> TransferState:
-        """Called by prefill: the transfer's state; never blocks, frees nothing."""
-        return self._table.require(request_id).state
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        """Called by prefill: block up to `timeout_s` for a terminal state; frees nothing."""
-        return self._table.wait(request_id, timeout_s)
-
-    def error(self, request_id: str) -> KVTransferError | None:
-        """Why the transfer failed, if it did."""
-        return self._table.require(request_id).error
 
     def abort(self, request_id: str) -> None:
         """Called by prefill on cancellation or error; idempotent, safe at any moment.
@@ -173,14 +155,14 @@ class Sender:
 
     def serving_problem(self) -> str | None:
         """Called by the replica's health check: why no layer can be sent now, or None."""
-        return self._ep.problem({"worker": self._worker, "keepalive": self._pinger})
+        return self._problem(worker=self._worker, keepalive=self._pinger)
 
     def close(self) -> None:
         """Called once at replica shutdown: aborts open transfers (releasing their source
         blocks), stops the threads and closes connections. Idempotent."""
-        if self._ep.begin_close():
+        if self._begin_close():
             self._queue.put(None)
-            self._ep.end_close(self._worker, self._pinger)
+            self._end_close(self._worker, self._pinger)
 
     def _record(self, ticket: Ticket) -> TransferRecord | None:
         """The live record serving `ticket`, created on first use; None once it is terminal."""
@@ -240,14 +222,14 @@ class Sender:
                     break
                 batch.append(following)
             try:
-                self._serve(batch)
+                self._send(batch)
             except KVTransferError as exc:
                 self._fail(item.ticket, exc)
             except Exception as exc:
                 logger.exception("sending %r failed", item.ticket.request_id)
                 self._fail(item.ticket, KVTransferError(repr(exc)))
 
-    def _serve(self, batch: list[LayerItem]) -> None:
+    def _send(self, batch: list[LayerItem]) -> None:
         item, ticket = batch[0], batch[0].ticket
         timeout_s = min(self.options.connect_timeout_s, ticket.seconds_left())
         if item.layer == ABORT_ITEM:  # aborted before BEGIN: tell the receiver, best effort
@@ -306,7 +288,7 @@ class Sender:
         """The live connection to `endpoint`, or a new one. The handshake runs under that
         endpoint's own lock, not the endpoint-wide one: a slow receiver delays only the
         transfers bound for it."""
-        with self._ep.lock:
+        with self._lock:
             conn = self._reusable(endpoint)
             connecting = self._connecting.setdefault(endpoint, threading.Lock())
         if conn is not None:
@@ -314,16 +296,16 @@ class Sender:
         if not connecting.acquire(timeout=max(0.0, timeout_s)):
             raise PeerTimeoutError(f"another handshake with {endpoint} did not finish in time")
         try:
-            with self._ep.lock:
+            with self._lock:
                 conn = self._reusable(endpoint)
             if conn is not None:  # someone else connected while we waited
                 return conn
             conn = self._handshake(endpoint, timeout_s)
-            with self._ep.lock:
-                self._ep.connections.add(conn)
+            with self._lock:
+                self.connections.add(conn)
         finally:
             connecting.release()
-        conn.thread = self._ep.start("read", self._ep.serve, conn, self._read, self._drop)
+        conn.thread = self._start("read", self._run_connection, conn, self._read_frames, self._drop)
         return conn
 
     def _keep_alive(self) -> None:
@@ -331,10 +313,10 @@ class Sender:
         the receiver keeps it open for the next transfer. A peer that cannot take 32 bytes
         in `io_timeout_s` is lost: closing the socket makes its reader thread drop it."""
         now = time.monotonic()
-        with self._ep.lock:
+        with self._lock:
             idle = [
                 conn
-                for conn in self._ep.connections
+                for conn in self.connections
                 if conn.alive and now - conn.last_used >= self.options.idle_timeout_s / 4
             ]
         for conn in idle:
@@ -347,10 +329,10 @@ class Sender:
             conn.last_used = time.monotonic()
 
     def _reusable(self, endpoint: str) -> Connection | None:
-        """A live, recently used connection to `endpoint` (caller holds `_ep.lock`); stale
+        """A live, recently used connection to `endpoint` (caller holds `_lock`); stale
         idle ones are closed on the way."""
         now = time.monotonic()
-        for conn in self._ep.connections:
+        for conn in self.connections:
             if conn.name != endpoint or not conn.alive:
                 continue
             # The receiver closes connections idle for `idle_timeout_s`; replace ours at
@@ -405,11 +387,11 @@ class Sender:
         if kind is Kind.ABORT:
             conn.fs.send(Kind.ABORT_ACK, rid)
 
-    def _read(self, conn: Connection) -> None:
-        self._ep.read(conn, self._dispatch)
+    def _read_frames(self, conn: Connection) -> None:
+        self._read(conn, self._dispatch)
 
     def _drop(self, conn: Connection) -> None:
-        """Before `Endpoint.serve` closes it: stop writing, as the receiver frees a live
+        """Before `Endpoint._run_connection` closes it: stop writing, as the receiver frees a live
         sender's blocks when it sees the connection close (shm: we write its memory)."""
         lost = PeerLostError(f"connection to receiver {conn.name} lost")
         for record in self._table.bound_to(conn):

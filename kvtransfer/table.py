@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 class TransferRecord:
     request_id: str
     block_ids: tuple[int, ...]
-    deadline: float  # monotonic (time.monotonic())
+    deadline: float  # monotonic
     ticket: Ticket | None = None  # sender side: the ticket being served
     state: TransferState = TransferState.PENDING
     error: KVTransferError | None = None
@@ -52,7 +52,8 @@ class TransferRecord:
 
 
 class TransferTable:
-    """Thread-safe map request id -> record, with the terminal/release rules above."""
+    """Thread-safe map request id -> record, with the terminal/release rules above;
+    `fence()` runs before every release (e.g. wait for a GPU stream writing the blocks)."""
 
     def __init__(
         self,
@@ -63,8 +64,7 @@ class TransferTable:
         ttl_s: float = 120.0,
         fence: Callable[[], None] | None = None,
     ) -> None:
-        self._release, self._release_on_done = release, release_on_done
-        self._fence = fence  # e.g. wait for a GPU stream still writing the blocks
+        self._release, self._release_on_done, self._fence = release, release_on_done, fence
         self._fence_timeout_s, self._ttl_s = fence_timeout_s, ttl_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -80,7 +80,6 @@ class TransferTable:
         return record
 
     def records(self, keep: Callable[[TransferRecord], bool]) -> list[TransferRecord]:
-        """The records `keep` selects, e.g. those bound to a connection."""
         with self._lock:
             return [r for r in self._records.values() if keep(r)]
 
@@ -89,7 +88,7 @@ class TransferTable:
         return self.records(lambda r: r.peer is peer and r.is_live)
 
     def add(self, record: TransferRecord) -> TransferRecord:
-        """Insert a new PENDING record; a terminal, unfenced record of the same id is replaced."""
+        """Insert a new record; a terminal, unfenced one of the same id is replaced."""
         with self._lock:
             old = self._records.get(record.request_id)
             if old is not None and old.is_live:
@@ -171,8 +170,7 @@ class TransferTable:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                record = self._records.get(request_id)
-                if record is None:
+                if (record := self._records.get(request_id)) is None:
                     raise UnknownTransferError(f"no transfer for request {request_id!r}")
                 left = deadline - time.monotonic()
                 if record.state.is_terminal or left <= 0:
@@ -202,12 +200,9 @@ class TransferTable:
         return [r.request_id for r in late]
 
     def sweep(self, on_fence_timeout: Callable[[TransferRecord], bool] | None = None) -> None:
-        """Time out fences, and forget settled tombstones past their TTL.
-
-        For each fence past its deadline, `on_fence_timeout(record)` says whether the blocks
-        may go now (True: released; False: quarantined until `unfence`). Without a handler
-        a timed-out fence is lifted.
-        """
+        """Forget settled records past their TTL, and time out fences: `on_fence_timeout
+        (record)` says whether the blocks may go now (True: released; False: quarantined
+        until `unfence`); without a handler a timed-out fence is lifted."""
         now = time.monotonic()
         with self._lock:
             records = self._records.values()
@@ -226,11 +221,12 @@ class TransferTable:
                 if not r.fenced:  # acknowledged meanwhile
                     continue
                 r.quarantined = not release_now
+            verdict = "cut off" if release_now else "blocks quarantined until it is gone"
             logger.warning(
                 "transfer %r: writer did not confirm it stopped within %.1fs: %s",
                 r.request_id,
                 self._fence_timeout_s,
-                "cut off" if release_now else "blocks quarantined until it is gone",
+                verdict,
             )
             if release_now:
                 self.unfence(r.request_id)

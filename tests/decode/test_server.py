@@ -511,9 +511,9 @@ def test_a_warmed_connection_serves_the_first_remote_prefill(servers, expected) 
 
     async def run() -> tuple[set[object], list[int]]:
         await warmer.tick()
-        connections = set(prefill.sender._ep.connections)
+        connections = set(prefill.sender.connections)
         return connections, await collect(decode, spec_for(decode, 0, PROMPTS[0]))
 
     connections, tokens = asyncio.run(run())
     assert tokens == expected[0]
-    assert len(connections) == 1 and set(prefill.sender._ep.connections) == connections
+    assert len(connections) == 1 and set(prefill.sender.connections) == connections

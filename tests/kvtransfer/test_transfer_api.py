@@ -222,9 +222,9 @@ def test_an_unused_connection_is_kept_open_for_the_next_transfer(backend: str) -
             p.sender.finish(ticket)
             assert p.receiver.wait(rid, WAIT_S) is TransferState.DONE
             if rid == "before":
-                connections = set(p.sender._ep.connections)
+                connections = set(p.sender.connections)
                 time.sleep(1.2)  # three idle timeouts
-        assert set(p.sender._ep.connections) == connections and len(connections) == 1
+        assert set(p.sender.connections) == connections and len(connections) == 1
         stats = p.receiver.endpoint_stats()
         assert stats["connections"] == 1 and "idle_timeout" not in stats, stats
     finally:
@@ -234,7 +234,7 @@ def test_an_unused_connection_is_kept_open_for_the_next_transfer(backend: str) -
 
 def test_warm_sets_up_the_connection_before_the_first_ticket(pair: Pair, backend: str) -> None:
     pair.sender.warm(pair.receiver.endpoint, WAIT_S)
-    (conn,) = pair.sender._ep.connections
+    (conn,) = pair.sender.connections
     populating = conn.state.get("populating")  # shm: the receiver's cache, mapped in full
     assert (populating is not None) == (backend == "shm")
     assert populating is None or not populating.is_alive()
@@ -242,7 +242,7 @@ def test_warm_sets_up_the_connection_before_the_first_ticket(pair: Pair, backend
     pair.send(ticket, [3, 4])
     pair.sender.finish(ticket)
     assert pair.receiver.wait("r", WAIT_S) is TransferState.DONE
-    assert set(pair.sender._ep.connections) == {conn}
+    assert set(pair.sender.connections) == {conn}
     nobody = {"shm": "shm://pdkv-nobody-0", "tcp": "tcp://127.0.0.1:9"}[backend]
     with pytest.raises(PeerLostError):
         pair.sender.warm(nobody, 2.0)
