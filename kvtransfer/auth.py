@@ -36,8 +36,6 @@ from kvtransfer.base import (
 from kvtransfer.wire import PROTOCOL_VERSION, FrameSocket, Kind
 
 AUTH_FAILED = "authentication failed"  # the whole refusal an unauthenticated peer gets
-_HELLO_LABEL = b"pdserve-kv-hello/v2"
-_WELCOME_LABEL = b"pdserve-kv-welcome/v2"
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +46,15 @@ def new_nonce() -> str:
 
 def hello_mac(secret: str, nonce_r: str, nonce_s: str, hello: dict[str, object]) -> str:
     """The sender's proof: binds both nonces and the HELLO's fields (less `mac`)."""
-    return _mac(secret, _HELLO_LABEL, nonce_r, nonce_s, hello)
+    return _mac(secret, b"pdserve-kv-hello/v2", nonce_r, nonce_s, hello)
 
 
 def welcome_mac(secret: str, nonce_r: str, nonce_s: str, welcome: dict[str, object]) -> str:
     """The receiver's proof: binds both nonces and the WELCOME's fields (less `mac`)."""
-    return _mac(secret, _WELCOME_LABEL, nonce_r, nonce_s, welcome)
+    return _mac(secret, b"pdserve-kv-welcome/v2", nonce_r, nonce_s, welcome)
 
 
-def verify(expected: str, frame: dict[str, object]) -> bool:
+def _verify(expected: str, frame: dict[str, object]) -> bool:
     """Whether `frame["mac"]` equals `expected` (constant time)."""
     got = frame.get("mac")
     return isinstance(got, str) and hmac.compare_digest(got.encode(), expected.encode())
@@ -86,18 +84,15 @@ def sender_handshake(
             f"receiver at {endpoint} does not authenticate (it has no shared secret)"
         )
     nonce_s = new_nonce()
-    hello: dict[str, object] = {
-        "version": PROTOCOL_VERSION,
-        "layout": layout.to_dict(),
-        "nonce": nonce_s,
-    }
+    hello: dict[str, object] = {"version": PROTOCOL_VERSION, "layout": layout.to_dict()}
+    hello["nonce"] = nonce_s
     if secret is not None:
         hello["mac"] = hello_mac(secret, nonce_r, nonce_s, hello)
     fs.send_json(Kind.HELLO, "", hello)
     kind, body = expect(fs, (Kind.WELCOME, Kind.REFUSE), endpoint)
     if kind is Kind.REFUSE:
         raise error_from_wire(body, f"receiver at {endpoint}")
-    if secret is not None and not verify(welcome_mac(secret, nonce_r, nonce_s, body), body):
+    if secret is not None and not _verify(welcome_mac(secret, nonce_r, nonce_s, body), body):
         raise AuthenticationError(
             f"receiver at {endpoint} could not prove it holds the shared secret"
         )
@@ -119,18 +114,15 @@ def receiver_handshake(
     REFUSE; returns why, as `(refusal counter, error)`, or None once WELCOME is sent."""
     nonce = new_nonce()
     fs.limit_reads(timeout_s)
-    fs.send_json(
-        Kind.CHALLENGE,
-        "",
-        {"version": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None},
-    )
+    challenge = {"version": PROTOCOL_VERSION, "nonce": nonce, "auth": secret is not None}
+    fs.send_json(Kind.CHALLENGE, "", challenge)
     _, hello = expect(fs, (Kind.HELLO,), f"sender {peer}")
     fs.limit_reads(None)
     if not isinstance(nonce_s := hello.get("nonce"), str):
         raise ProtocolError("HELLO without a nonce")
     version = hello.get("version")
     refusal: tuple[str, KVTransferError] | None = None
-    if secret is not None and not verify(hello_mac(secret, nonce, nonce_s, hello), hello):
+    if secret is not None and not _verify(hello_mac(secret, nonce, nonce_s, hello), hello):
         refusal = ("auth_failed", AuthenticationError(AUTH_FAILED))
     # Authenticated from here on (or no secret configured): refusals may say why.
     elif version != PROTOCOL_VERSION:

@@ -1,13 +1,13 @@
 """`nccl`: GPU-to-GPU transfer; control frames over TCP, block bytes over NCCL.
 
-Per connection one two-rank communicator (receiver rank 0, sender rank 1) in its state,
-joined with the unique id of the receiver's WELCOME and aborted when it drops (so a dead
-peer never leaves a stream hanging). Per layer the sender's side stream waits for the
-event of `send_layer`, packs the blocks (`engine.kernels.kv_pack`), and the LAYER frame carrying
+Each connection holds a two-rank communicator (receiver rank 0, sender rank 1), joined with
+the unique id of the receiver's WELCOME and aborted when the connection drops, so a dead
+peer never leaves a stream hanging. Per layer the sender's side stream waits for the event
+of `send_layer` and packs the blocks (`engine.kernels.kv_pack`); the LAYER frame carrying
 the byte count precedes the `ncclSend`. The receiver, reading frames in order, posts the
-`ncclRecv` and the unpack on its side stream; its fence synchronizes that stream before
-DONE and before an ended transfer's blocks return to the pool. NCCL cannot join two ranks
-on one GPU: the pair needs two devices.
+`ncclRecv` and the unpack on its side stream, which its fence synchronizes before DONE and
+before an ended transfer's blocks return to the pool. NCCL cannot join two ranks on one
+GPU: the pair needs two devices.
 """
 
 from __future__ import annotations
@@ -17,52 +17,48 @@ import struct
 
 import torch
 
+from engine.kernels.kv_pack import pack_kv_blocks, unpack_kv_blocks
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import BackendUnavailableError, PeerLostError, ProtocolError
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.nccl_lib import load_nccl
 from kvtransfer.payload import check_crc, crc32
 from kvtransfer.table import TransferRecord
-from kvtransfer.tcp import connect, listen
+from kvtransfer.tcp import listen, parse_endpoint
 from kvtransfer.wire import Connection, Header, Kind
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _SIZE = struct.Struct("<Q")  # a nccl LAYER frame's socket payload: the NCCL byte count
 
 
-def require_cuda(device: torch.device) -> torch.device:
+def require_cuda(device: torch.device, backend: str = "nccl") -> torch.device:
     """`device`; BackendUnavailableError unless it is a usable CUDA device."""
     if device.type != "cuda" or not torch.cuda.is_available():
         raise BackendUnavailableError(
-            f"the nccl backend needs a CUDA device (got {device}, "
+            f"the {backend} backend needs a CUDA device (got {device}, "
             f"torch.cuda.is_available()={torch.cuda.is_available()}); use shm or tcp on CPU"
         )
     return device
 
 
-def layer_computed(k_cache: torch.Tensor) -> torch.cuda.Event:
-    """`Writing.ready` of the CUDA data paths (nccl, cuda_ipc): an event recorded after the
-    layer's compute on the current stream, which their copy stream waits on."""
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(k_cache.device))
-    return event
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """`device`, else the current CUDA device, else the CPU (which `require_cuda` refuses)."""
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
+    if device is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(device or "cpu")
+
+
+def layer_computed(k_cache: torch.Tensor) -> torch.cuda.Event:
+    """`Writing.ready` of the CUDA data paths (nccl, cuda_ipc): an event after the layer's
+    compute on the current stream, for their side stream to wait on."""
+    return torch.cuda.current_stream(k_cache.device).record_event()
 
 
 class _Nccl:
     """What both data paths share: the device, NCCL, a side stream, the pair's comm."""
 
     def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
-        require_cuda(device)
-        self.spec, self.device, self.nccl = spec, device, load_nccl()
+        self.spec, self.device, self.nccl = spec, require_cuda(device), load_nccl()
         self.stream = torch.cuda.Stream(device)
 
     def join(self, conn: Connection, unique_id: bytes, rank: int) -> None:
@@ -120,34 +116,29 @@ class NcclLanding(_Nccl, Landing):
         conn.fs.recv_into(memoryview(raw))
         if (nbytes := int(_SIZE.unpack(raw)[0])) > limit or (exact and nbytes != limit):
             raise ProtocolError(f"nccl layer of {nbytes} bytes, expected {limit}")
-        staging = conn.state.get("staging")
-        if not isinstance(staging, torch.Tensor) or staging.numel() < nbytes:
-            staging = conn.state["staging"] = torch.empty(
-                nbytes, dtype=torch.uint8, device=self.device
-            )
-        buf, comm = staging[:nbytes], self.comm(conn)
-        with torch.cuda.stream(self.stream):
+        staging, comm = conn.state.get("staging"), self.comm(conn)
+        with torch.cuda.stream(self.stream):  # allocated there too: only that stream reuses it
+            if not isinstance(staging, torch.Tensor) or staging.numel() < nbytes:
+                staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                conn.state["staging"] = staging
             self.nccl.group_start()
-            self.nccl.recv(buf.data_ptr(), nbytes, SENDER_RANK, comm, self.stream.cuda_stream)
+            self.nccl.recv(staging.data_ptr(), nbytes, SENDER_RANK, comm, self.stream.cuda_stream)
             self.nccl.group_end()
-        return buf
+        return staging[:nbytes]
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
-        """Receive the packed layer and queue its unpack on the side stream (`fence` waits)."""
-        from engine.kernels.kv_pack import unpack_kv_blocks
-
+        """Receive the packed layer (a wrong size would desynchronize NCCL's queues: a
+        protocol error, not a skip) and queue its unpack on the side stream (`fence`)."""
         n = len(record.block_ids)
-        # a wrong size would desynchronize the NCCL queue: a protocol error, not a skip
         buf = self._recv(conn, self.packed_bytes(n), exact=True)
         if header.has_crc:
             self.stream.synchronize()
             check_crc(header.crc, [buf.cpu().numpy().data], f"layer {header.layer}")
         if not isinstance(ids := record.cache.get("dst_ids"), torch.Tensor):
             ids = record.cache["dst_ids"] = torch.tensor(record.block_ids, device=self.device)
-        layer = header.layer
+        k, v = self.kv_cache.key_caches[header.layer], self.kv_cache.value_caches[header.layer]
         with record.write_lock, torch.cuda.stream(self.stream):
             if not record.state.is_terminal:
-                k, v = self.kv_cache.key_caches[layer], self.kv_cache.value_caches[layer]
                 unpack_kv_blocks(self.packed(buf, n), k, v, ids)
 
     def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
@@ -167,14 +158,16 @@ class NcclWriting(_Nccl, Writing):
     """Sending data path on a GPU; see the module docstring."""
 
     backend = "nccl"
+    ready = staticmethod(layer_computed)
 
     def __init__(self, spec: KVCacheSpec, device: str | torch.device | None = None) -> None:
         super().__init__(spec, resolve_device(device))
-        self._buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []  # a ring of two
-        self._next_buffer = 0
+        # a ring of two packing buffers, each with the event of its last send
+        self._ring = [(torch.empty(0, dtype=torch.uint8), torch.cuda.Event()) for _ in range(2)]
+        self._turn = 0
 
     def open(self, endpoint: str, timeout_s: float) -> socket.socket:
-        return connect(endpoint, timeout_s, None, scheme="nccl")
+        return socket.create_connection(parse_endpoint(endpoint, "nccl"), timeout_s)
 
     def welcome(self, conn: Connection) -> None:
         """Join the communicator whose unique id the receiver sent."""
@@ -184,36 +177,26 @@ class NcclWriting(_Nccl, Writing):
             raise PeerLostError(f"receiver at {conn.name} sent no valid NCCL unique id") from None
         self.join(conn, unique_id, SENDER_RANK)
 
-    def ready(self, k_cache: torch.Tensor) -> object | None:
-        return layer_computed(k_cache)
-
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
-        """Per layer: pack the blocks on the side stream, send the LAYER frame with the
-        byte count, then `ncclSend` the packed buffer."""
-        from engine.kernels.kv_pack import pack_kv_blocks
-
+        """Per layer: pack the blocks on the side stream into the ring's next buffer (once
+        its last send is done), send the LAYER frame with the byte count, then `ncclSend`."""
         comm = self.comm(conn)
         for item in items:
-            assert (
-                item.k_cache is not None and item.v_cache is not None and item.src_ids is not None
-            )
+            assert item.k_cache is not None and item.v_cache is not None
+            assert item.src_ids is not None
             n = len(item.src_ids)
             nbytes = self.packed_bytes(n)
-            if len(self._buffers) < 2:
-                self._buffers.append(
-                    (torch.empty(0, dtype=torch.uint8, device=self.device), torch.cuda.Event())
-                )
-            slot, self._next_buffer = self._next_buffer % 2, self._next_buffer + 1
-            buf, sent = self._buffers[slot]
-            sent.synchronize()  # the buffer's previous send completed
-            if buf.numel() < nbytes:
-                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                self._buffers[slot] = (buf, sent)
-            buf = buf[:nbytes]
-            ids = torch.from_numpy(item.src_ids).to(self.device, non_blocking=True)
-            with torch.cuda.stream(self.stream):
+            self._turn ^= 1
+            held, sent = self._ring[self._turn]
+            sent.synchronize()  # the buffer's last send is done
+            with torch.cuda.stream(self.stream):  # allocations and the ids' copy too
+                if held.numel() < nbytes:
+                    held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    self._ring[self._turn] = (held, sent)
+                buf = held[:nbytes]
+                ids = torch.from_numpy(item.src_ids).to(self.device, non_blocking=True)
                 if isinstance(item.ready, torch.cuda.Event):
                     self.stream.wait_event(item.ready)
                 pack_kv_blocks(item.k_cache, item.v_cache, ids, out=self.packed(buf, n))

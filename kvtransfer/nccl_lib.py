@@ -1,10 +1,9 @@
 """A minimal ctypes binding to NCCL: unique ids, communicators, grouped point-to-point.
 
-One NCCL, torch's (its CUDA build depends on the `nvidia-nccl-cu12`/`-cu13` wheel and maps
-it when imported; pdserve pins none). `libnccl.so.2` is searched: already mapped into this
-process by torch (`/proc/self/maps`), next to torch (`torch/lib`), then the system loader.
-Importing needs neither CUDA nor NCCL; `load_nccl()` raises `BackendUnavailableError` naming
-every place it looked and what to install.
+One NCCL, torch's: its CUDA build depends on the `nvidia-nccl-cu12`/`-cu13` wheel and loads
+it on import (pdserve pins none). `load_nccl` takes the `libnccl.so.2` already loaded in
+this process (glibc finds a loaded library by its soname, wherever it lies), else one in
+`torch/lib`, else the system loader's. Importing needs neither CUDA nor NCCL.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import ctypes
 import functools
 import glob
 import os
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -22,7 +19,7 @@ from kvtransfer.base import BackendUnavailableError, KVTransferError
 
 UNIQUE_ID_BYTES = 128
 LIBRARY_NAME = "libnccl.so.2"
-MAPS = "/proc/self/maps"  # where a process lists the libraries it mapped (torch's NCCL)
+TORCH_LIB_DIR = os.path.join(os.path.dirname(torch.__file__), "lib")
 NCCL_UINT8 = 1  # ncclDataType_t of the raw bytes we move
 
 
@@ -34,57 +31,34 @@ class NcclError(KVTransferError):
     """An NCCL call returned an error code."""
 
 
-def loaded_libraries(maps: str) -> list[str]:
-    """Paths of the NCCL libraries mapped into a process, from its `/proc/<pid>/maps` text."""
-    found: list[str] = []
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-        path = fields[5] if len(fields) == 6 else ""
-        if os.path.basename(path).startswith("libnccl.so") and path not in found:
-            found.append(path)
-    return found
-
-
-def candidate_paths(maps: str | None = None, torch_lib_dir: str | None = None) -> Iterator[str]:
-    """Where `libnccl.so.2` may be, in the order of the module docstring: files that exist
-    (each once), then the bare name for the system loader. The arguments default to this
-    process's maps and torch's `lib` directory."""
-    if maps is None:
-        maps = Path(MAPS).read_text(errors="replace") if os.path.exists(MAPS) else ""
-    if torch_lib_dir is None:
-        torch_lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
-    found = loaded_libraries(maps)
-    found += sorted(glob.glob(os.path.join(torch_lib_dir, "libnccl.so*"))) if torch_lib_dir else []
-    seen: set[str] = set()
-    for path in found:
-        if (real := os.path.realpath(path)) not in seen:
-            seen.add(real)
-            yield path
-    yield LIBRARY_NAME  # the system loader's search path (LD_LIBRARY_PATH, ldconfig)
+def candidates() -> list[tuple[str, int]]:
+    """Where `load_nccl` looks, in order, as (name or path, dlopen mode): the NCCL this
+    process loaded, each file in torch's `lib`, the system loader's search path."""
+    found = glob.glob(os.path.join(TORCH_LIB_DIR, "libnccl.so*"))
+    files = [(path, ctypes.DEFAULT_MODE) for path in sorted(set(map(os.path.realpath, found)))]
+    return [(LIBRARY_NAME, os.RTLD_NOLOAD), *files, (LIBRARY_NAME, ctypes.DEFAULT_MODE)]
 
 
 class NcclLibrary:
     """Typed wrappers over the NCCL C API functions pdserve uses; each raises NcclError."""
 
-    def __init__(self, path: str) -> None:
-        self.path, lib = path, ctypes.CDLL(path)
-        c_int, ptr, size = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
-        p2p: tuple[list[object], object] = ([ptr, size, c_int, c_int, ptr, ptr], c_int)
-        signatures: dict[str, tuple[list[object], object]] = {
-            "ncclGetVersion": ([ctypes.POINTER(c_int)], c_int),
-            "ncclGetUniqueId": ([ctypes.POINTER(NcclUniqueId)], c_int),
-            "ncclCommInitRank": ([ctypes.POINTER(ptr), c_int, NcclUniqueId, c_int], c_int),
-            "ncclCommAbort": ([ptr], c_int),
-            "ncclSend": p2p,
-            "ncclRecv": p2p,
-            "ncclGroupStart": ([], c_int),
-            "ncclGroupEnd": ([], c_int),
-            "ncclGetErrorString": ([c_int], ctypes.c_char_p),
-        }
-        for name, (argtypes, restype) in signatures.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, restype
-        self._lib = lib
+    def __init__(self, path: str, mode: int = ctypes.DEFAULT_MODE) -> None:
+        self.path, self._lib = path, ctypes.CDLL(path, mode)
+        c_int, ptr = ctypes.c_int, ctypes.c_void_p
+        p2p = (ptr, ctypes.c_size_t, c_int, c_int, ptr, ptr)  # buf, count, type, peer, comm, stream
+        for name, restype, *argtypes in (
+            ("ncclGetVersion", c_int, ctypes.POINTER(c_int)),
+            ("ncclGetUniqueId", c_int, ctypes.POINTER(NcclUniqueId)),
+            ("ncclCommInitRank", c_int, ctypes.POINTER(ptr), c_int, NcclUniqueId, c_int),
+            ("ncclCommAbort", c_int, ptr),
+            ("ncclSend", c_int, *p2p),
+            ("ncclRecv", c_int, *p2p),
+            ("ncclGroupStart", c_int),
+            ("ncclGroupEnd", c_int),
+            ("ncclGetErrorString", ctypes.c_char_p, c_int),
+        ):
+            fn = getattr(self._lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
 
     def _call(self, name: str, *args: object) -> None:
         if (result := getattr(self._lib, name)(*args)) != 0:
@@ -100,14 +74,13 @@ class NcclLibrary:
     def unique_id(self) -> bytes:
         uid = NcclUniqueId()
         self._call("ncclGetUniqueId", ctypes.byref(uid))
-        return bytes(bytearray(uid.internal))
+        return bytes(uid)
 
     def comm_init_rank(self, nranks: int, unique_id: bytes, rank: int) -> int:
         """Join a communicator; blocks until all `nranks` ranks joined. Returns the handle."""
         if len(unique_id) != UNIQUE_ID_BYTES:
             raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
-        uid, comm = NcclUniqueId(), ctypes.c_void_p()
-        ctypes.memmove(ctypes.addressof(uid), unique_id, UNIQUE_ID_BYTES)
+        uid, comm = NcclUniqueId.from_buffer_copy(unique_id), ctypes.c_void_p()
         self._call("ncclCommInitRank", ctypes.byref(comm), nranks, uid, rank)
         assert comm.value is not None
         return comm.value
@@ -131,13 +104,15 @@ class NcclLibrary:
 
 @functools.lru_cache(maxsize=1)
 def load_nccl() -> NcclLibrary:
-    """The first loadable NCCL among `candidate_paths()`; BackendUnavailableError if none."""
+    """The first loadable NCCL among `candidates()`; BackendUnavailableError naming each
+    place tried if none."""
     tried: list[str] = []
-    for path in candidate_paths():
+    for path, mode in candidates():
         try:
-            return NcclLibrary(path)
+            return NcclLibrary(path, mode)
         except OSError as exc:
-            tried.append(f"{path} ({exc})")
+            where = f"{path} among loaded libraries" if mode == os.RTLD_NOLOAD else path
+            tried.append(f"{where} ({exc})")
     raise BackendUnavailableError(
         "NCCL not found: it comes with a CUDA build of torch (which depends on "
         "nvidia-nccl-cu12 or -cu13); install that torch, not a separate NCCL. Tried: "

@@ -1,14 +1,13 @@
 """`shm`: same-host transfer; the prefill process writes straight into decode's KV cache.
 
-The receiver creates its whole cache in a POSIX shared-memory segment (`/dev/shm/pdkv-*`,
-unlinked on close, by its resource tracker if it dies, or by the next receiver's sweep of
-dead owners); the sender maps it (`map_segment`: never creates one) and copies each layer's
-blocks there (`engine.kernels.rowcopy`: streaming stores, all queued layers in one native call,
-for large transfers). Control runs over an abstract Unix socket, frames without payload.
-The sender writes our memory itself: an ended transfer's blocks stay fenced until its
-ABORT_ACK or its connection drops, and past the fence timeout quarantined until the
-ABORT_ACK or its process (SO_PEERCRED) is gone: cutting the connection would not stop a
-SIGSTOPped process mid-copy.
+The receiver creates its cache in a POSIX shared-memory segment (`/dev/shm/pdkv-*`, unlinked
+at close, by its resource tracker if it dies, or by the next receiver's sweep of dead
+owners). The sender maps it (`map_segment`: never creates one) and copies each layer's blocks
+there (`engine.kernels.rowcopy`: one native call with streaming stores for large transfers).
+Control frames, without payload, go over an abstract Unix socket. As the sender writes our
+memory itself, an ended transfer's blocks stay fenced until its ABORT_ACK or the connection
+drops, and past the fence timeout quarantined until the ABORT_ACK or until its process
+(SO_PEERCRED) is gone: a cut connection does not stop a SIGSTOPped process mid-copy.
 """
 
 from __future__ import annotations
@@ -31,12 +30,7 @@ import torch
 from engine.kernels import rowcopy
 from engine.kernels.rowcopy import CopyPlan, block_rows
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer.base import (
-    BackendUnavailableError,
-    KVTransferError,
-    PeerLostError,
-    PeerTimeoutError,
-)
+from kvtransfer import base
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
 from kvtransfer.table import TransferRecord
@@ -51,13 +45,23 @@ PREFAULT_CHUNK_BYTES = 8 * 1024**2  # ~3 ms of populating at a time
 
 def _require_shm() -> None:
     if not os.path.isdir(SHM_DIR):
-        raise BackendUnavailableError(
-            f"the shm backend needs Linux POSIX shared memory ({SHM_DIR})"
-        )
+        raise base.BackendUnavailableError(f"the shm backend needs POSIX shared memory ({SHM_DIR})")
 
 
 def _control_socket(endpoint_or_segment: str) -> str:
     return f"\0{endpoint_or_segment.removeprefix('shm://')}.ctl"
+
+
+def unix_connect(name: str, timeout_s: float) -> socket.socket:
+    """`Writing.open` of shm and cuda_ipc: a connection to the abstract Unix socket `name`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(name)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _is_served(segment: str) -> bool:
@@ -84,13 +88,13 @@ def sweep_orphans() -> None:
 
 
 def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat; None once the process exited (zombies included)."""
+    """Field 22 of /proc/<pid>/stat; None once the process exited (a zombie writes nothing)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
-    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie writes nothing
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 class PeerProcess:
@@ -99,7 +103,7 @@ class PeerProcess:
 
     def __init__(self, sock: socket.socket) -> None:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        self.pid, self.uid, self.gid = struct.unpack("3i", creds)
+        self.pid = struct.unpack("3i", creds)[0]
         # pid 0: the peer lives in a pid namespace we cannot see; nothing to watch then
         self._start_time = _start_time(self.pid) if self.pid > 0 else None
 
@@ -108,13 +112,22 @@ class PeerProcess:
         return self._start_time is not None and _start_time(self.pid) == self._start_time
 
 
+def checked_ids(item: LayerItem, num_src: int, num_dst: int) -> tuple[np.ndarray, np.ndarray]:
+    """The source and destination block ids of a transfer whose data path writes the peer's
+    cache (shm, cuda_ipc); KVTransferError unless within `[0, num_src)`, `[0, num_dst)`."""
+    src_ids, dst_ids = item.src_ids, np.asarray(item.ticket.block_ids, dtype=np.int64)
+    assert src_ids is not None
+    for ids, limit, which in ((src_ids, num_src, "source"), (dst_ids, num_dst, "destination")):
+        if int(ids.min()) < 0 or int(ids.max()) >= limit:
+            raise base.KVTransferError(f"{which} block ids outside [0, {limit})")
+    return src_ids, dst_ids
+
+
 def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     """Map an existing segment as a flat uint8 tensor; the mapping dies with the tensor.
-
-    Never creates one (a sender writing into a file nobody reads would report DONE): a
-    missing segment raises FileNotFoundError; one that is not a regular file of exactly
-    `nbytes` bytes owned by this user raises ValueError.
-    """
+    Never creates one (a sender writing into a file nobody reads would report DONE):
+    FileNotFoundError if it is missing, ValueError unless a regular file of this user of
+    exactly `nbytes` bytes."""
     if not _SEGMENT_NAME.fullmatch(segment):
         raise ValueError(f"{segment!r} is not a pdserve KV segment name")
     path = os.path.join(SHM_DIR, segment)
@@ -131,51 +144,64 @@ def map_segment(segment: str, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until freed
 
 
-def prefault_writable(flat: torch.Tensor, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> None:
-    """Map every page of a shared mapping writable now, without changing a byte: block
-    copies run ~1.5x faster into pages populated so than into pages first mapped by
-    reading them (the fallback, before Linux 5.14; shared memory must not be written).
-    Chunk by chunk: populating holds the process's memory-map lock, which every new
-    thread's stack and every large allocation waits for."""
+def prefault_writable(flat: torch.Tensor) -> None:
+    """Map every page of a shared mapping writable now, without changing a byte: copies run
+    ~1.5x faster into pages populated so than into pages first mapped by reading them (the
+    fallback before Linux 5.14). In chunks: populating holds the process's memory-map lock,
+    which every new thread's stack and every large allocation waits for."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     start, end = flat.data_ptr() & ~4095, flat.data_ptr() + flat.numel()
-    for at in range(start, end, chunk_bytes):
-        if libc.madvise(at, min(chunk_bytes, end - at), MADV_POPULATE_WRITE) != 0:
+    for at in range(start, end, PREFAULT_CHUNK_BYTES):
+        if libc.madvise(at, min(PREFAULT_CHUNK_BYTES, end - at), MADV_POPULATE_WRITE) != 0:
             offset = max(at - flat.data_ptr(), 0)
-            int(flat[offset : offset + chunk_bytes : 4096].sum())
+            int(flat[offset : offset + PREFAULT_CHUNK_BYTES : 4096].sum())
 
 
-class ShmLanding(Landing):
+class UnixLanding(Landing):
+    """What the shm and cuda_ipc landings share (the reason for a second level of classes):
+    a control socket on an abstract Unix name, and a sender process that writes our memory
+    itself, known from the kernel when it connects so that fences can tell it is gone."""
+
+    remote_writer = True
+
+    def listen(self, name: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(name)
+        self.listener.listen(64)
+
+    def connected(self, conn: Connection) -> None:
+        conn.state["process"] = PeerProcess(conn.fs.sock)
+
+    def writer_running(self, conn: Connection) -> bool:
+        """Whether the sender process that connected still runs."""
+        process = conn.state.get("process")
+        return isinstance(process, PeerProcess) and process.is_running()
+
+
+class ShmLanding(UnixLanding):
     """Receiving data path: owns the shared-memory KV cache; see the module docstring."""
 
     backend = "shm"
-    remote_writer = True  # the sender process writes our memory itself
 
     def __init__(self, spec: KVCacheSpec, name: str | None = None) -> None:
         _require_shm()
         sweep_orphans()
         self.segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
         self.endpoint = f"shm://{self.segment}"
-        try:
-            owner = SharedMemory(self.segment, create=True, size=max(spec.total_bytes, 1))
-        except FileExistsError:  # a leftover nobody serves is replaced
+        if os.path.exists(path := os.path.join(SHM_DIR, self.segment)):
             if _is_served(self.segment):
-                raise ValueError(
-                    f"shm segment {self.segment} is in use by a live receiver"
-                ) from None
-            os.unlink(os.path.join(SHM_DIR, self.segment))
-            owner = SharedMemory(self.segment, create=True, size=max(spec.total_bytes, 1))
-        owner.close()  # keep the name (and the tracker registration); torch maps it below
+                raise ValueError(f"shm segment {self.segment} is in use by a live receiver")
+            os.unlink(path)  # a leftover nobody serves is replaced
+        owner = SharedMemory(self.segment, create=True, size=spec.total_bytes)
+        owner.close()  # keeps the name (and the tracker's registration); torch maps it below
         self._owner: SharedMemory | None = owner
         try:
             flat = map_segment(self.segment, spec.total_bytes)
             flat.zero_()  # fault every page in now, not during the first transfer
             self.kv_cache = KVCache(spec, flat.view(spec.torch_dtype).view(spec.flat_shape))
             self._rows = cache_rows(self.kv_cache)
-            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.listener.bind(_control_socket(self.segment))
-            self.listener.listen(64)
+            self.listen(_control_socket(self.segment))
         except BaseException:
             self.close()
             raise
@@ -183,20 +209,12 @@ class ShmLanding(Landing):
     def welcome(self, conn: Connection) -> dict[str, object]:
         return {"segment": self.segment, "total_bytes": self.kv_cache.spec.total_bytes}
 
-    def connected(self, conn: Connection) -> None:
-        conn.state["process"] = PeerProcess(conn.fs.sock)
-
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
         """The layer is in place; with checksums on, verify what the blocks now hold."""
         if header.has_crc:
-            runs, rows = record_runs(record.cache, record.block_ids), self._rows[header.layer]
+            rows, runs = self._rows[header.layer], record_runs(record.cache, record.block_ids)
             where = f"layer {header.layer} of {record.request_id!r} in the destination blocks"
             check_crc(header.crc, layer_views(rows[0], rows[1], runs), where)
-
-    def writer_running(self, conn: Connection) -> bool:
-        """Whether the sender process, known from the kernel when it connected, still runs."""
-        process = conn.state.get("process")
-        return isinstance(process, PeerProcess) and process.is_running()
 
     def close(self) -> None:
         """Unlink the segment; the memory itself goes when the last mapping does."""
@@ -216,64 +234,52 @@ class ShmWriting(Writing):
         self.spec = spec
 
     def open(self, endpoint: str, timeout_s: float) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(_control_socket(endpoint))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        return unix_connect(_control_socket(endpoint), timeout_s)
 
     def welcome(self, conn: Connection) -> None:
-        """Map the receiver's segment (checked: ours, the size its WELCOME implies)."""
+        """Map the receiver's segment (checked: ours, of the size its WELCOME implies) and
+        populate it on a thread (~0.1 s per 256 MiB of cache, once per connection), so the
+        first transfer waits only for the pages it writes."""
         segment, nbytes = conn.welcome.get("segment"), conn.welcome.get("total_bytes")
-        if f"shm://{segment}" != conn.name:
-            raise PeerLostError(f"receiver at {conn.name} serves segment {segment!r}")
-        if not isinstance(nbytes, int) or nbytes != conn.num_blocks * self.spec.bytes_per_block:
-            raise PeerLostError(f"segment of {nbytes} bytes, expected {conn.num_blocks} blocks")
+        expected = conn.num_blocks * self.spec.bytes_per_block
+        if f"shm://{segment}" != conn.name or not isinstance(nbytes, int) or nbytes != expected:
+            raise base.PeerLostError(f"{conn.name} offers segment {segment!r} of {nbytes} bytes")
         try:
             flat = map_segment(str(segment), nbytes)
         except FileNotFoundError:
-            raise PeerLostError(f"receiver at {conn.name} has no shm segment {segment!r}") from None
+            raise base.PeerLostError(
+                f"receiver {conn.name} has no shm segment {segment!r}"
+            ) from None
         except (OSError, ValueError) as exc:
-            raise PeerLostError(f"cannot map {segment}: {exc}") from exc
-        # ~0.1 s per 256 MiB of cache (seconds for a large one), once per connection: on a
-        # thread, so the first transfer waits only for the pages it writes.
-        populate = threading.Thread(target=prefault_writable, args=(flat,), name="kv-shm-populate")
-        populate.daemon = True
+            raise base.PeerLostError(f"cannot map {segment}: {exc}") from exc
+        populate = conn.state["populating"] = threading.Thread(
+            target=prefault_writable, args=(flat,), name="kv-shm-populate", daemon=True
+        )
         populate.start()
-        conn.state["populating"] = populate
         conn.state["rows"] = flat.numpy().reshape(self.spec.num_layers, 2, conn.num_blocks, -1)
 
     def settle(self, conn: Connection, timeout_s: float) -> None:
         """Wait until the receiver's cache is populated in our page tables."""
-        populate = conn.state.get("populating")
-        if isinstance(populate, threading.Thread):
+        if isinstance(populate := conn.state.get("populating"), threading.Thread):
             populate.join(timeout_s)
             if populate.is_alive():
-                raise PeerTimeoutError(f"mapping {conn.name} took over {timeout_s} s")
+                raise base.PeerTimeoutError(f"mapping {conn.name} took over {timeout_s} s")
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
         """Copy every queued layer (K and V) into the destination blocks, in one native call
-        for transfers large enough to stream, then send their LAYER frames."""
-        rows = conn.state["rows"]
+        for transfers large enough to stream; then send their LAYER frames."""
+        rows, (plan, streaming) = conn.state["rows"], self.plan(conn, record, items[0])
         assert isinstance(rows, np.ndarray)
-        plan, streaming = self.plan(conn, record, items[0])
         sources = [(block_rows(i.k_cache), block_rows(i.v_cache), i.layer) for i in items]  # type: ignore[arg-type]
+        copies = [(s, rows[layer, kv]) for k, v, layer in sources for kv, s in enumerate((k, v))]
         with record.write_lock:
             if record.state.is_terminal:
                 return
             if streaming:
-                pairs = [
-                    (src.ctypes.data, rows[layer, kv].ctypes.data)
-                    for k, v, layer in sources
-                    for kv, src in enumerate((k, v))
-                ]
                 rowcopy.copy_rows_many(
-                    pairs,
+                    [(src.ctypes.data, dst.ctypes.data) for src, dst in copies],
                     plan.src_ids,
                     plan.dst_ids,
                     row_bytes=self.spec.bytes_per_block_per_layer,
@@ -281,14 +287,12 @@ class ShmWriting(Writing):
                     dst_num_rows=conn.num_blocks,
                 )
             else:
-                for k, v, layer in sources:
-                    plan.copy(k, rows[layer, 0])
-                    plan.copy(v, rows[layer, 1])
+                for src, dst in copies:
+                    plan.copy(src, dst)
+        runs, epoch = record_runs(record.cache, plan.src_ids), items[0].ticket.epoch
         for k, v, layer in sources:
-            crc = crc32(layer_views(k, v, record.cache["runs"])) if checksum else None  # type: ignore[arg-type]
-            conn.fs.send(
-                Kind.LAYER, record.request_id, epoch=items[0].ticket.epoch, layer=layer, crc=crc
-            )
+            crc = crc32(layer_views(k, v, runs)) if checksum else None
+            conn.fs.send(Kind.LAYER, record.request_id, epoch=epoch, layer=layer, crc=crc)
 
     def plan(
         self, conn: Connection, record: TransferRecord, item: LayerItem
@@ -296,20 +300,10 @@ class ShmWriting(Writing):
         """The transfer's copy plan (built on its first layer, ids checked) and whether to
         copy with streaming stores."""
         if not isinstance(plan := record.cache.get("plan"), CopyPlan):
-            assert item.src_ids is not None
-            dst_ids = np.asarray(item.ticket.block_ids, dtype=np.int64)
-            if int(dst_ids.max()) >= conn.num_blocks:
-                raise KVTransferError(f"destination block ids exceed {conn.num_blocks} blocks")
-            if int(item.src_ids.min()) < 0 or int(item.src_ids.max()) >= self.spec.num_blocks:
-                raise KVTransferError(f"source block ids outside [0, {self.spec.num_blocks})")
-            plan = record.cache["plan"] = CopyPlan.build(
-                item.src_ids, dst_ids, self.spec.bytes_per_block_per_layer
-            )
-            record_runs(record.cache, item.src_ids)
-            record.cache["streaming"] = rowcopy.worth_streaming(
-                len(dst_ids) * self.spec.bytes_per_block
-            )
-        return plan, record.cache["streaming"] is True
+            src_ids, dst_ids = checked_ids(item, self.spec.num_blocks, conn.num_blocks)
+            plan = CopyPlan.build(src_ids, dst_ids, self.spec.bytes_per_block_per_layer)
+            record.cache["plan"] = plan
+        return plan, rowcopy.worth_streaming(len(plan.dst_ids) * self.spec.bytes_per_block)
 
     def disconnected(self, conn: Connection) -> None:
         conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views

@@ -1,10 +1,10 @@
 """`tcp`: transfer across hosts; each layer is one LAYER frame on the control connection.
 
-The payload (`payload`: K rows in ticket order, then V rows, with an optional CRC32) is
-gathered from the source cache with `sendmsg` and scattered into the destination blocks
-with `recvmsg_into` under the record's write_lock, without user-space copies. A receiver
-binds a configured host and advertises the address senders reach (on a cluster, the
-node's IP); a sender may pick the local address its connections leave from.
+The payload (`payload`: K rows in ticket order, then V rows, optional CRC32) is gathered
+from the source cache by `sendmsg` and scattered into the destination blocks by
+`recvmsg_into` under the record's write_lock, with no user-space copy. A receiver binds a
+configured host and advertises the address senders reach (on a cluster, the node's IP);
+a sender may pick the local address its connections leave from.
 """
 
 from __future__ import annotations
@@ -28,14 +28,6 @@ def parse_endpoint(endpoint: str, scheme: str = "tcp") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def connect(
-    endpoint: str, timeout_s: float, host: str | None, scheme: str = "tcp"
-) -> socket.socket:
-    """A TCP connection to `endpoint`, leaving from `host` when given."""
-    source = None if host is None else (host, 0)
-    return socket.create_connection(parse_endpoint(endpoint, scheme), timeout_s, source)
-
-
 def is_loopback(host: str) -> bool:
     """Whether `host` is a loopback address or "localhost"."""
     try:
@@ -47,20 +39,15 @@ def is_loopback(host: str) -> bool:
 def listen(
     host: str, port: int, advertise_host: str | None, scheme: str
 ) -> tuple[socket.socket, str]:
-    """Called by the tcp and nccl landings: a listener bound to `host:port` (port 0: any
-    free port) and the endpoint tickets name: `advertise_host` (else `host`, which must
-    then be a specific address) and the port actually bound."""
+    """Called by the tcp and nccl landings: a listener on `host:port` (port 0: any free one;
+    SO_REUSEADDR, so a restart can rebind) and the endpoint tickets name: `advertise_host`
+    (else `host`, which must then be a specific address) and the port bound."""
     advertised = advertise_host or host
     if advertised in ("", "0.0.0.0", "::"):
         raise ValueError(f"a receiver bound to {host!r} needs an advertise_host senders can reach")
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart can rebind
-        listener.bind((host, port))
-        listener.listen(64)
-    except BaseException:
-        listener.close()
-        raise
+    ipv6 = ":" in host  # then dual-stack, as a plain IPv6 socket is on Linux
+    family = socket.AF_INET6 if ipv6 else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=64, dualstack_ipv6=ipv6)
     address = f"[{advertised}]" if ":" in advertised else advertised
     return listener, f"{scheme}://{address}:{listener.getsockname()[1]}"
 
@@ -80,19 +67,19 @@ class TcpLanding(Landing):
         return 2 * num_blocks * self.kv_cache.spec.bytes_per_block_per_layer
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
-        runs, rows = record_runs(record.cache, record.block_ids), self._rows[header.layer]
+        rows, runs = self._rows[header.layer], record_runs(record.cache, record.block_ids)
+        views = layer_views(rows[0], rows[1], runs)
         with record.write_lock:
             if record.state.is_terminal:
                 return conn.fs.discard(header.nbytes)
-            views = layer_views(rows[0], rows[1], runs)
             conn.fs.recv_into(*views)
             if header.has_crc:
                 check_crc(header.crc, views, f"layer {header.layer} of {record.request_id!r}")
 
 
 class TcpWriting(Writing):
-    """Sending data path: each layer goes as one LAYER frame, gathered from the cache;
-    connections leave from `host` when set (a multi-homed node)."""
+    """Sending data path: each layer goes as one LAYER frame gathered from the cache, on
+    connections that leave from `host` when set (a multi-homed node)."""
 
     backend = "tcp"
 
@@ -100,19 +87,19 @@ class TcpWriting(Writing):
         self.host = host
 
     def open(self, endpoint: str, timeout_s: float) -> socket.socket:
-        return connect(endpoint, timeout_s, self.host)
+        source = None if self.host is None else (self.host, 0)
+        return socket.create_connection(parse_endpoint(endpoint), timeout_s, source)
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
         for item in items:
-            parts = self.payload(record, item)
             if record.state.is_terminal:
                 return
-            crc = crc32(parts) if checksum else None
-            epoch, layer = item.ticket.epoch, item.layer
+            parts = self.payload(record, item)
+            crc, epoch = crc32(parts) if checksum else None, item.ticket.epoch
             conn.fs.send(
-                Kind.LAYER, record.request_id, epoch=epoch, layer=layer, crc=crc, payload=parts
+                Kind.LAYER, record.request_id, epoch=epoch, layer=item.layer, crc=crc, payload=parts
             )
 
     def payload(self, record: TransferRecord, item: LayerItem) -> list[memoryview]:

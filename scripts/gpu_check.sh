@@ -85,8 +85,9 @@ fp8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 print(f"torch {torch.__version__} cuda={torch.cuda.is_available()} devices={torch.cuda.device_count()}")
 try:
     from kvtransfer.nccl_lib import load_nccl
-    lib = load_nccl()
-    print(f"nccl {lib.version()} from {lib.path}")
+    lib = load_nccl()  # path: libnccl.so.2 when it took the one torch loaded
+    mapped = sorted({l.split()[-1] for l in open("/proc/self/maps") if "/libnccl.so" in l})
+    print(f"nccl {lib.version()} from {lib.path} (mapped: {', '.join(mapped) or 'none'})")
 except Exception as exc:  # report and go on: the tests say the rest
     print(f"nccl unavailable: {exc}")
 print(f"FLAGS {int(torch.cuda.is_available())} {torch.cuda.device_count()} {int(fp8)}")

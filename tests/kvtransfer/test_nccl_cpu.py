@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 import torch
 
@@ -24,19 +27,18 @@ def test_selectable_without_cuda_and_fails_clearly() -> None:
 
 def test_missing_library_names_every_place_searched(monkeypatch: pytest.MonkeyPatch) -> None:
     nccl_lib.load_nccl.cache_clear()
-    monkeypatch.setattr(nccl_lib, "candidate_paths", lambda: iter(["/nope/libnccl.so.2"]))
+    monkeypatch.setattr(nccl_lib, "candidates", lambda: [("/nope/libnccl.so.2", 0)])
     with pytest.raises(BackendUnavailableError, match="/nope/libnccl.so.2"):
         nccl_lib.load_nccl()
     nccl_lib.load_nccl.cache_clear()
 
 
-def test_candidate_paths_end_with_the_system_loader() -> None:
-    paths = list(nccl_lib.candidate_paths())
-    assert paths[-1] == "libnccl.so.2"
-    assert all("nccl" in p for p in paths)
+def test_candidates_start_in_this_process_and_end_with_the_system_loader() -> None:
+    candidates = nccl_lib.candidates()
+    assert candidates[0] == ("libnccl.so.2", os.RTLD_NOLOAD)
+    assert candidates[-1] == ("libnccl.so.2", ctypes.DEFAULT_MODE)
+    assert all("nccl" in path for path, _ in candidates)
 
 
 def test_unique_id_struct_is_128_bytes() -> None:
-    import ctypes
-
     assert ctypes.sizeof(nccl_lib.NcclUniqueId) == nccl_lib.UNIQUE_ID_BYTES == 128
