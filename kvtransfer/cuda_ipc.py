@@ -29,7 +29,7 @@ from kvtransfer.nccl import layer_computed, require_cuda, resolve_device
 from kvtransfer.payload import check_crc, crc32
 from kvtransfer.shm import PeerProcess, UnixLanding, checked_ids, unix_connect
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import Connection, Header, Kind
+from kvtransfer.wire import Connection, Header
 
 SCHEME = "cuda_ipc://"  # after a NUL, the endpoint is the control socket's abstract name
 MAX_RUNS = 8  # up to this many runs of consecutive ids: a `copy_` each; else gather + scatter
@@ -180,8 +180,7 @@ class CudaIpcWriting(Writing):
         for item in items:
             assert item.k_cache is not None and item.v_cache is not None
             crc = crc32([_layer_bytes(item.k_cache, item.v_cache, src_ids)]) if checksum else None
-            epoch = item.ticket.epoch
-            conn.fs.send(Kind.LAYER, record.request_id, epoch=epoch, layer=item.layer, crc=crc)
+            conn.send_layer(item.ticket, item.layer, crc)
 
     def disconnected(self, conn: Connection) -> None:
         """Let our copies finish, then drop the view (torch closes the handle with it)."""

@@ -25,7 +25,7 @@ from kvtransfer.nccl_lib import load_nccl
 from kvtransfer.payload import check_crc, crc32
 from kvtransfer.table import TransferRecord
 from kvtransfer.tcp import listen, parse_endpoint
-from kvtransfer.wire import Connection, Header, Kind
+from kvtransfer.wire import Connection, Header
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _SIZE = struct.Struct("<Q")  # a nccl LAYER frame's socket payload: the NCCL byte count
@@ -203,14 +203,7 @@ class NcclWriting(_Nccl, Writing):
                 crc = crc32([buf.cpu().numpy().data]) if checksum else None
                 if record.state.is_terminal:
                     return
-                conn.fs.send(
-                    Kind.LAYER,
-                    record.request_id,
-                    epoch=item.ticket.epoch,
-                    layer=item.layer,
-                    crc=crc,
-                    payload=(_SIZE.pack(nbytes),),
-                )
+                conn.send_layer(item.ticket, item.layer, crc, (_SIZE.pack(nbytes),))
                 self.nccl.group_start()
                 self.nccl.send(buf.data_ptr(), nbytes, RECEIVER_RANK, comm, self.stream.cuda_stream)
                 self.nccl.group_end()

@@ -34,7 +34,7 @@ from kvtransfer import base
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import Connection, Header, Kind
+from kvtransfer.wire import Connection, Header
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "pdkv-"
@@ -232,6 +232,7 @@ class ShmWriting(Writing):
     def __init__(self, spec: KVCacheSpec) -> None:
         _require_shm()
         self.spec = spec
+        rowcopy.available()  # build the streaming-copy helper now, not in the first transfer
 
     def open(self, endpoint: str, timeout_s: float) -> socket.socket:
         return unix_connect(_control_socket(endpoint), timeout_s)
@@ -289,10 +290,10 @@ class ShmWriting(Writing):
             else:
                 for src, dst in copies:
                     plan.copy(src, dst)
-        runs, epoch = record_runs(record.cache, plan.src_ids), items[0].ticket.epoch
+        runs = record_runs(record.cache, plan.src_ids)
         for k, v, layer in sources:
             crc = crc32(layer_views(k, v, runs)) if checksum else None
-            conn.fs.send(Kind.LAYER, record.request_id, epoch=epoch, layer=layer, crc=crc)
+            conn.send_layer(items[0].ticket, layer, crc)
 
     def plan(
         self, conn: Connection, record: TransferRecord, item: LayerItem

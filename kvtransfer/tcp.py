@@ -17,7 +17,7 @@ from engine.kv_cache import KVCache
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
 from kvtransfer.table import TransferRecord
-from kvtransfer.wire import Connection, Header, Kind
+from kvtransfer.wire import Connection, Header
 
 
 def parse_endpoint(endpoint: str, scheme: str = "tcp") -> tuple[str, int]:
@@ -97,10 +97,7 @@ class TcpWriting(Writing):
             if record.state.is_terminal:
                 return
             parts = self.payload(record, item)
-            crc, epoch = crc32(parts) if checksum else None, item.ticket.epoch
-            conn.fs.send(
-                Kind.LAYER, record.request_id, epoch=epoch, layer=item.layer, crc=crc, payload=parts
-            )
+            conn.send_layer(item.ticket, item.layer, crc32(parts) if checksum else None, parts)
 
     def payload(self, record: TransferRecord, item: LayerItem) -> list[memoryview]:
         """The layer's LAYER payload as views into the source cache (no copy)."""

@@ -28,6 +28,7 @@ from kvtransfer.base import (
     PeerLostError,
     PeerTimeoutError,
     ProtocolError,
+    Ticket,
     TransferState,
     error_to_wire,
 )
@@ -217,6 +218,17 @@ class Connection:
         self.welcome: dict[str, object] = {}
         self.epoch, self.num_blocks = 0, 0
         self.pending: dict[str, Future[None]] = {}
+
+    def send_layer(
+        self,
+        ticket: Ticket,
+        layer: int,
+        crc: int | None,
+        payload: Sequence[memoryview | bytes] = (),
+    ) -> None:
+        """Called by a `Writing`: layer `layer` of `ticket` is written (or is `payload`)."""
+        rid, epoch = ticket.request_id, ticket.epoch
+        self.fs.send(Kind.LAYER, rid, epoch=epoch, layer=layer, crc=crc, payload=payload)
 
     def send_abort(
         self, rid: str, state: TransferState, error: KVTransferError, epoch: int = 0
