@@ -35,11 +35,10 @@ def _per_token_quant_kernel(
     amax = tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), amax)
     # div_rn rounds as torch does (plain / is approximate on CUDA); clamp before the
     # cast: past 448 it gives NaN on CUDA
-    nan = tl.PropagateNan.ALL
-    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=nan)
-    q = tl.minimum(
-        tl.maximum(tl.div_rn(x, scale), -FP8_MAX, propagate_nan=nan), FP8_MAX, propagate_nan=nan
-    )
+    # (the NaN policy is named in each call: the compiler takes no local enum value)
+    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.maximum(tl.div_rn(x, scale), -FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
