@@ -1,6 +1,6 @@
 """The prefill side: a `Sender` streams each request's layers to its ticket's receiver.
 
-It holds an `Endpoint` and one `Writing` (the backend's data path). `send_layer`/`finish`
+An `Endpoint` holding one `Writing` (the backend's data path). `send_layer`/`finish`
 only enqueue; one worker thread drains the queue in order, coalescing the layers of a
 ticket already queued into one `Writing.write`. Per receiver one cached connection, kept
 open by a PING every `idle_timeout_s / 4` it is unused (a new one costs a handshake and, on
