@@ -66,8 +66,9 @@ class Endpoint:
         self.close()
 
     def poll(self, request_id: str) -> TransferState:
-        """The transfer's state (decode polls when a prefill call returns, and for a
-        reservation whose lease expired); never blocks, frees nothing."""
+        """The transfer's state (decode polls it when a prefill call returns, and for a
+        reservation whose lease expired; prefill, after its last layer); never blocks,
+        frees nothing."""
         return self._table.require(request_id).state
 
     def wait(self, request_id: str, timeout_s: float) -> TransferState:

@@ -121,9 +121,10 @@ class NcclLanding(_Nccl, Landing):
             if not isinstance(staging, torch.Tensor) or staging.numel() < nbytes:
                 staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 conn.state["staging"] = staging
-            self.nccl.group_start()
-            self.nccl.recv(staging.data_ptr(), nbytes, SENDER_RANK, comm, self.stream.cuda_stream)
-            self.nccl.group_end()
+            with self.nccl.group():
+                self.nccl.recv(
+                    staging.data_ptr(), nbytes, SENDER_RANK, comm, self.stream.cuda_stream
+                )
         return staging[:nbytes]
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
@@ -204,7 +205,8 @@ class NcclWriting(_Nccl, Writing):
                 if record.state.is_terminal:
                     return
                 conn.send_layer(item.ticket, item.layer, crc, (_SIZE.pack(nbytes),))
-                self.nccl.group_start()
-                self.nccl.send(buf.data_ptr(), nbytes, RECEIVER_RANK, comm, self.stream.cuda_stream)
-                self.nccl.group_end()
+                with self.nccl.group():
+                    self.nccl.send(
+                        buf.data_ptr(), nbytes, RECEIVER_RANK, comm, self.stream.cuda_stream
+                    )
                 sent.record(self.stream)

@@ -8,10 +8,12 @@ this process (glibc finds a loaded library by its soname, wherever it lies), els
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -95,11 +97,15 @@ class NcclLibrary:
     def recv(self, ptr: int, nbytes: int, peer: int, comm: int, stream: int) -> None:
         self._call("ncclRecv", ptr, nbytes, NCCL_UINT8, peer, comm, stream)
 
-    def group_start(self) -> None:
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """The sends and receives posted inside run as one group; the group ends even when
+        one of them fails (an open group would swallow every later call)."""
         self._call("ncclGroupStart")
-
-    def group_end(self) -> None:
-        self._call("ncclGroupEnd")
+        try:
+            yield
+        finally:
+            self._call("ncclGroupEnd")
 
 
 @functools.lru_cache(maxsize=1)

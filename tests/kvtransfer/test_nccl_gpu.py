@@ -34,10 +34,9 @@ def test_nccl_binding_grouped_self_send_recv() -> None:
     dst = torch.zeros_like(src)
     stream = torch.cuda.current_stream().cuda_stream
     nbytes = src.numel() * src.element_size()
-    lib.group_start()
-    lib.send(src.data_ptr(), nbytes, 0, comm, stream)
-    lib.recv(dst.data_ptr(), nbytes, 0, comm, stream)
-    lib.group_end()
+    with lib.group():
+        lib.send(src.data_ptr(), nbytes, 0, comm, stream)
+        lib.recv(dst.data_ptr(), nbytes, 0, comm, stream)
     torch.cuda.synchronize()
     assert torch.equal(src, dst)
     lib.comm_abort(comm)

@@ -10,6 +10,7 @@ on import, which then comes first, as it should.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import os
 import shutil
 import subprocess
@@ -105,8 +106,9 @@ def test_the_nccl_torch_loaded_comes_first_then_torch_lib_then_the_loader(tmp_pa
     assert load_in_fresh_process(wheel, torch_lib, system) == "1"
     assert load_in_fresh_process("", torch_lib, system) == "2"  # an unloaded wheel: not searched
     assert load_in_fresh_process("", empty, system) == "3"
-    message = load_in_fresh_process("", empty, empty)
-    assert "NCCL not found" in message and "libnccl.so.2 among loaded libraries" in message
+    if ctypes.util.find_library("nccl") is None:  # else the system's own NCCL loads here
+        message = load_in_fresh_process("", empty, empty)
+        assert "NCCL not found" in message and "libnccl.so.2 among loaded libraries" in message
 
 
 def test_unloadable_candidates_give_a_clear_error(
