@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from engine.kernels import rowcopy
-from engine.kernels.rowcopy import CopyPlan, block_rows
+from engine.kernels.rowcopy import CopyPlan, as_id_array, block_rows
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import base
 from kvtransfer.datapath import Landing, LayerItem, Writing
@@ -115,7 +115,7 @@ class PeerProcess:
 def checked_ids(item: LayerItem, num_src: int, num_dst: int) -> tuple[np.ndarray, np.ndarray]:
     """The source and destination block ids of a transfer whose data path writes the peer's
     cache (shm, cuda_ipc); KVTransferError unless within `[0, num_src)`, `[0, num_dst)`."""
-    src_ids, dst_ids = item.src_ids, np.asarray(item.ticket.block_ids, dtype=np.int64)
+    src_ids, dst_ids = item.src_ids, as_id_array(item.ticket.block_ids)
     assert src_ids is not None
     for ids, limit, which in ((src_ids, num_src, "source"), (dst_ids, num_dst, "destination")):
         if int(ids.min()) < 0 or int(ids.max()) >= limit:
@@ -167,8 +167,12 @@ class UnixLanding(Landing):
 
     def listen(self, name: str) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(name)
-        self.listener.listen(64)
+        try:
+            self.listener.bind(name)
+            self.listener.listen(64)
+        except BaseException:
+            self.listener.close()
+            raise
 
     def connected(self, conn: Connection) -> None:
         conn.state["process"] = PeerProcess(conn.fs.sock)
@@ -294,9 +298,10 @@ class ShmWriting(Writing):
             else:
                 for src, dst in copies:
                     plan.copy(src, dst)
-        runs = record_runs(record.cache, plan.src_ids)
         for k, v, layer in sources:
-            crc = crc32(layer_views(k, v, runs)) if checksum else None
+            crc = None
+            if checksum:  # the source blocks' runs, found once per transfer
+                crc = crc32(layer_views(k, v, record_runs(record.cache, plan.src_ids)))
             conn.send_layer(items[0].ticket, layer, crc)
 
     def plan(
