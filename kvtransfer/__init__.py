@@ -40,12 +40,7 @@ from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 from kvtransfer.tcp import is_loopback
 
-BACKENDS = ("cuda_ipc", "nccl", "shm", "tcp")
-
-
-def available_backends() -> list[str]:
-    """Names `create_receiver`/`create_sender` accept (whether usable here or not)."""
-    return list(BACKENDS)
+BACKENDS = ("cuda_ipc", "nccl", "shm", "tcp")  # what the factories accept, usable here or not
 
 
 def _check(backend: str) -> None:
@@ -64,9 +59,7 @@ def create_receiver(
     host: str = "127.0.0.1",
     port: int = 0,
     advertise_host: str | None = None,
-    name: str | None = None,
     device: str | torch.device | None = None,
-    epoch: int | None = None,
 ) -> Receiver:
     """Called once per decode replica at startup. The receiver owns or adopts the cache.
 
@@ -74,9 +67,8 @@ def create_receiver(
     None: the cache is created in shared memory; read it back from `receiver.kv_cache`).
     `release(request_id)` frees a request's destination blocks when its transfer ends other
     than DONE. tcp and nccl listen on `host:port` and name `advertise_host` (else `host`)
-    in tickets; without `options.secret` they listen on loopback addresses only. shm takes
-    a segment `name`; shm and cuda_ipc listen on a local Unix socket. `epoch` pins the
-    incarnation number (tests).
+    in tickets; without `options.secret` they listen on loopback addresses only. shm and
+    cuda_ipc listen on a local Unix socket.
     """
     _check(backend)
     if backend == "shm" and kv_cache is not None:
@@ -90,7 +82,7 @@ def create_receiver(
     if backend == "shm":
         from kvtransfer.shm import ShmLanding
 
-        landing = ShmLanding(spec, name)
+        landing = ShmLanding(spec)
     elif backend == "cuda_ipc":
         from kvtransfer.cuda_ipc import CudaIpcLanding
 
@@ -106,9 +98,7 @@ def create_receiver(
             kv_cache = KVCache.allocate(spec, require_cuda(resolve_device(device)))
         landing = NcclLanding(kv_cache, host, port, advertise_host)
     try:
-        return Receiver(
-            spec, landing, model_id=model_id, release=release, options=options, epoch=epoch
-        )
+        return Receiver(spec, landing, model_id=model_id, release=release, options=options)
     except BaseException:
         landing.listener.close()
         landing.close()
@@ -151,6 +141,7 @@ def create_sender(
 
 
 __all__ = [
+    "BACKENDS",
     "BackendUnavailableError",
     "ChecksumMismatchError",
     "KVLayout",
@@ -166,7 +157,6 @@ __all__ = [
     "TransferOptions",
     "TransferState",
     "UnknownTransferError",
-    "available_backends",
     "create_receiver",
     "create_sender",
 ]

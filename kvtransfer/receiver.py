@@ -65,12 +65,11 @@ class Receiver(Endpoint):
         model_id: str,
         release: ReleaseFn,
         options: TransferOptions = TransferOptions(),
-        epoch: int | None = None,
     ) -> None:
         """Called by `create_receiver` once per decode replica; starts the threads."""
         if landing.kv_cache.spec != spec:
             raise ValueError(f"kv_cache spec {landing.kv_cache.spec} != receiver spec {spec}")
-        self.spec, self.epoch = spec, new_epoch() if epoch is None else epoch
+        self.spec, self.epoch = spec, new_epoch()
         self.layout, self._landing = KVLayout.from_spec(spec, model_id), landing
         self.kv_cache: KVCache = landing.kv_cache  # the destination (shm: shared memory)
         self.endpoint: str = landing.endpoint  # the address senders connect to, in tickets
@@ -95,10 +94,6 @@ class Receiver(Endpoint):
         ticket = Ticket(request_id, self.endpoint, ids, self.layout, self.epoch, deadline_s)
         self._table.add(TransferRecord(request_id, ids, ticket.expires_at))
         return ticket
-
-    def num_layers_received(self, request_id: str) -> int:
-        """How many layers have landed so far (progress in tests and benchmarks)."""
-        return self._table.require(request_id).num_layers_done
 
     def abort(self, request_id: str) -> None:
         """Called by decode on client disconnect, preemption or prefill failure; idempotent.

@@ -188,20 +188,12 @@ class ShmLanding(UnixLanding):
 
     backend = "shm"
 
-    def __init__(self, spec: KVCacheSpec, name: str | None = None) -> None:
+    def __init__(self, spec: KVCacheSpec) -> None:
         _require_shm()
         sweep_orphans()
-        self.segment = SEGMENT_PREFIX + (name or f"{os.getpid()}-{secrets.token_hex(4)}")
+        self.segment = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self.endpoint = f"shm://{self.segment}"
-        try:
-            owner = SharedMemory(self.segment, create=True, size=spec.total_bytes)
-        except FileExistsError:  # a leftover nobody serves is replaced
-            if _is_served(self.segment):
-                raise ValueError(
-                    f"shm segment {self.segment} is in use by a live receiver"
-                ) from None
-            os.unlink(os.path.join(SHM_DIR, self.segment))
-            owner = SharedMemory(self.segment, create=True, size=spec.total_bytes)
+        owner = SharedMemory(self.segment, create=True, size=spec.total_bytes)
         owner.close()  # keeps the name (and the tracker's registration); torch maps it below
         self._owner: SharedMemory | None = owner
         try:

@@ -307,6 +307,11 @@ def make_receiver(backend: str, s: KVCacheSpec, released: Released, **endpoint: 
     )
 
 
+def layers_landed(receiver: Receiver, request_id: str) -> int:
+    """How many layers of a transfer have landed (its record in the receiver's table)."""
+    return receiver._table.require(request_id).num_layers_done
+
+
 def random_ids(rng: np.random.Generator, num_blocks: int, n: int) -> tuple[int, ...]:
     return tuple(int(b) for b in rng.choice(num_blocks, size=n, replace=False))
 

@@ -13,17 +13,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from kvt_peers import FAST, Peer, Released, SendJob, eventually, random_ids, source_cache
+from kvt_peers import (
+    FAST,
+    Peer,
+    Released,
+    SendJob,
+    eventually,
+    layers_landed,
+    random_ids,
+    source_cache,
+)
 from pydantic import ValidationError
 
 from app.config import PDServeConfig
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
+    BACKENDS,
     BackendUnavailableError,
     Receiver,
     TransferOptions,
     TransferState,
-    available_backends,
     create_receiver,
     create_sender,
 )
@@ -37,7 +46,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_selectable_without_cuda_and_fails_clearly() -> None:
-    assert "cuda_ipc" in available_backends()
+    assert "cuda_ipc" in BACKENDS
     message = "the cuda_ipc backend needs a CUDA device .* use shm or tcp on CPU"
     with pytest.raises(BackendUnavailableError, match=message):
         create_receiver("cuda_ipc", SPEC, model_id="m", release=lambda r: None)
@@ -140,7 +149,7 @@ def test_abort_mid_transfer_leaves_the_blocks_untouched_afterwards(peer: Peer) -
             "cuda_ipc", SPEC, ((ticket, src),), seed=5, device="cuda:0", layer_delay_s=1.0
         )
         peer.start(job)
-        assert eventually(lambda: receiver.num_layers_received("ipc-abort") >= 1, 120.0)
+        assert eventually(lambda: layers_landed(receiver, "ipc-abort") >= 1, 120.0)
         receiver.abort("ipc-abort")
         assert released.wait_for("ipc-abort", 30.0)  # the sender acknowledged: no copy left
         landed = _blocks(receiver, dst)

@@ -16,6 +16,7 @@ from kvt_peers import (
     SendJob,
     assert_landed,
     eventually,
+    layers_landed,
     make_receiver,
     random_ids,
     spec,
@@ -44,7 +45,7 @@ def test_destination_blocks_equal_source_blocks(
         assert result["states"] == {t.request_id: "done" for t, _ in jobs}
         for ticket, src in jobs:
             assert receiver.wait(ticket.request_id, 5.0) is TransferState.DONE
-            assert receiver.num_layers_received(ticket.request_id) == num_layers
+            assert layers_landed(receiver, ticket.request_id) == num_layers
             assert_landed(receiver, src_spec, 3, ticket.block_ids, src)
         touched = {b for t, _ in jobs for b in t.block_ids}
         untouched = [b for b in range(64) if b not in touched]
@@ -73,7 +74,7 @@ def test_first_layer_arrives_while_later_layers_compute(peer: Peer, backend: str
         peer.start(
             SendJob(backend, s, ((ticket, tuple(range(100))),), layer_delay_s=0.05, options=FAST)
         )
-        assert eventually(lambda: receiver.num_layers_received("o") >= 1, 20.0)
+        assert eventually(lambda: layers_landed(receiver, "o") >= 1, 20.0)
         first_arrival = time.perf_counter()
         assert receiver.wait("o", 20.0) is TransferState.DONE
         done = time.perf_counter()
@@ -116,11 +117,3 @@ def test_orphaned_segments_of_dead_owners_are_swept() -> None:
         for name in (orphan, live):
             if name in list_segments():
                 os.unlink(f"/dev/shm/{name}")
-
-
-def test_a_named_segment_in_use_is_not_taken_over() -> None:
-    name = f"inuse-{os.getpid()}"
-    with make_receiver("shm", spec(2), Released(), name=name) as first:
-        with pytest.raises(ValueError, match="in use"):
-            make_receiver("shm", spec(2), Released(), name=name)
-        assert first.endpoint.endswith(name)

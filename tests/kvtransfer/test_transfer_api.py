@@ -10,9 +10,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from kvt_peers import layers_landed
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
+    BACKENDS,
     KVLayoutMismatchError,
     PeerLostError,
     Receiver,
@@ -21,7 +23,6 @@ from kvtransfer import (
     TransferOptions,
     TransferState,
     UnknownTransferError,
-    available_backends,
     create_receiver,
     create_sender,
 )
@@ -90,9 +91,9 @@ def pair(backend: str) -> Iterator[Pair]:
 
 def wait_layers(p: Pair, rid: str, n: int) -> int:
     deadline = time.monotonic() + WAIT_S
-    while p.receiver.num_layers_received(rid) < n and time.monotonic() < deadline:
+    while layers_landed(p.receiver, rid) < n and time.monotonic() < deadline:
         time.sleep(0.005)
-    return p.receiver.num_layers_received(rid)
+    return layers_landed(p.receiver, rid)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -285,7 +286,7 @@ def test_close_aborts_open_transfers_and_releases_their_blocks(backend: str) -> 
 
 
 def test_factory_knows_every_backend() -> None:
-    assert available_backends() == ["cuda_ipc", "nccl", "shm", "tcp"]
+    assert BACKENDS == ("cuda_ipc", "nccl", "shm", "tcp")
     with pytest.raises(ValueError, match="unknown KV transfer backend"):
         create_receiver("carrier-pigeon", spec(4), model_id="m", release=lambda r: None)
     with pytest.raises(ValueError, match="shared memory"):
