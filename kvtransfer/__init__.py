@@ -8,7 +8,7 @@ with a clear `BackendUnavailableError` when used) on a machine without CUDA:
     ticket = receiver.open_ticket("req-1", block_ids, deadline_s=30)      # decode side
     sender = create_sender("shm", spec, model_id="llama-3-8b", release=pool.free_request)
     sender.send_layer(ticket, layer, k_cache, v_cache, src_block_ids)     # prefill side
-    sender.finish(ticket); receiver.poll("req-1")  # -> TransferState.DONE
+    sender.finish(ticket); sender.wait("req-1", 5.0)  # -> TransferState.DONE
 
 `shm` (one host), `tcp` (across hosts), `nccl` and `cuda_ipc` (GPUs): each one's data path
 is drawn in docs/architecture.md and described in its module.

@@ -67,12 +67,12 @@ class Endpoint:
 
     def poll(self, request_id: str) -> TransferState:
         """The transfer's state (decode polls it when a prefill call returns, and for a
-        reservation whose lease expired; prefill, after its last layer); never blocks,
-        frees nothing."""
+        reservation whose lease expired); never blocks, frees nothing."""
         return self._table.require(request_id).state
 
     def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        """Block up to `timeout_s` for a terminal state; frees nothing."""
+        """Block up to `timeout_s` for a terminal state (prefill, after `finish`); frees
+        nothing."""
         return self._table.wait(request_id, timeout_s)
 
     def error(self, request_id: str) -> KVTransferError | None:
