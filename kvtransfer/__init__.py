@@ -96,7 +96,7 @@ def create_receiver(
 
         if kv_cache is None:
             kv_cache = KVCache.allocate(spec, require_cuda(resolve_device(device)))
-        landing = NcclLanding(kv_cache, host, port, advertise_host)
+        landing = NcclLanding(kv_cache, host, port, advertise_host, options.io_timeout_s)
     try:
         return Receiver(spec, landing, model_id=model_id, release=release, options=options)
     except BaseException:
@@ -136,7 +136,7 @@ def create_sender(
     else:
         from kvtransfer.nccl import NcclWriting
 
-        writing = NcclWriting(spec, device)
+        writing = NcclWriting(spec, device, options.io_timeout_s)
     return Sender(spec, writing, model_id=model_id, release=release, options=options)
 
 

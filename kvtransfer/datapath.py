@@ -98,9 +98,9 @@ class Landing(Protocol):
         """Consume a LAYER frame of a transfer that ended or is not bound here."""
         conn.fs.discard(header.nbytes)
 
-    def fence(self) -> None:
-        """Wait until no write queued by `land` is in flight (before DONE, and before
-        blocks return to the pool)."""
+    def fence(self, record: TransferRecord) -> None:
+        """Wait until no write `land` queued for `record` is in flight (before DONE, and
+        before its blocks return to the pool)."""
         return None
 
     def writer_running(self, conn: Connection) -> bool:

@@ -22,7 +22,7 @@ from kvtransfer.base import (
     TransferOptions,
     TransferState,
 )
-from kvtransfer.table import TransferTable
+from kvtransfer.table import TransferRecord, TransferTable
 from kvtransfer.wire import Connection, Header
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Endpoint:
         release: ReleaseFn,
         *,
         release_on_done: bool,
-        fence: Callable[[], None] | None = None,
+        fence: Callable[[TransferRecord], None] | None = None,
     ) -> None:
         self.backend, self.options, self.closed = backend, options, False
         self._table = TransferTable(

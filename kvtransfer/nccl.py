@@ -1,19 +1,22 @@
 """`nccl`: GPU-to-GPU transfer; control frames over TCP, block bytes over NCCL.
 
 Each connection holds a two-rank communicator (receiver rank 0, sender rank 1), joined with
-the unique id of the receiver's WELCOME and aborted when the connection drops, so a dead
-peer never leaves a stream hanging. Per layer the sender's side stream waits for the event
-of `send_layer` and packs the blocks (`engine.kernels.kv_pack`); the LAYER frame carrying
-the byte count precedes the `ncclSend`. The receiver, reading frames in order, posts the
-`ncclRecv` and the unpack on its side stream, which its fence synchronizes before DONE and
-before an ended transfer's blocks return to the pool. NCCL cannot join two ranks on one
-GPU: the pair needs two devices.
+the unique id of the receiver's WELCOME, and a side stream of its own on each end. Per layer
+the sender's stream waits for the event of `send_layer` and packs the blocks
+(`engine.kernels.kv_pack`); the LAYER frame carrying the byte count precedes the `ncclSend`.
+The receiver, reading frames in order, posts the `ncclRecv` and the unpack on its stream,
+which its fence waits for before DONE and before an ended transfer's blocks return to the
+pool. NCCL work with a dead or stopped peer never completes on its own: every wait on it is
+bounded by `io_timeout_s`, after which the connection drops and its communicator is aborted
+(`ncclCommAbort`), which ends that work. NCCL cannot join two ranks on one GPU: the pair
+needs two devices.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import torch
 
@@ -55,13 +58,15 @@ def layer_computed(k_cache: torch.Tensor) -> torch.cuda.Event:
 
 
 class _Nccl:
-    """What both data paths share: the device, NCCL, a side stream, the pair's comm."""
+    """What both data paths share: the device, NCCL, and per connection the pair's comm and
+    a side stream of its own (a stalled peer holds up only its own connection's work)."""
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
+    def __init__(self, spec: KVCacheSpec, device: torch.device, io_timeout_s: float) -> None:
         self.spec, self.device, self.nccl = spec, require_cuda(device), load_nccl()
-        self.stream = torch.cuda.Stream(device)
+        self.io_timeout_s = io_timeout_s
 
     def join(self, conn: Connection, unique_id: bytes, rank: int) -> None:
+        conn.state["stream"] = torch.cuda.Stream(self.device)
         with torch.cuda.device(self.device):
             conn.state["comm"] = self.nccl.comm_init_rank(2, unique_id, rank)
 
@@ -69,6 +74,22 @@ class _Nccl:
         if not isinstance(comm := conn.state.get("comm"), int):
             raise PeerLostError("no NCCL communicator for this connection")
         return comm
+
+    @staticmethod
+    def stream(conn: Connection) -> torch.cuda.Stream:
+        stream = conn.state.get("stream")
+        assert isinstance(stream, torch.cuda.Stream)
+        return stream
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for `event`, at most `io_timeout_s`, else PeerLostError: NCCL work with a
+        dead or stopped peer ends only when `disconnected` aborts the comm, which the
+        connection's reader thread does once it sees the error."""
+        deadline = time.monotonic() + self.io_timeout_s
+        while not event.query():
+            if time.monotonic() >= deadline:
+                raise PeerLostError(f"NCCL peer silent for {self.io_timeout_s} s")
+            time.sleep(0.0002)
 
     def packed(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         """`buf` seen as `kv_pack`'s `[2, n, *block_shape]` (all K blocks, then all V)."""
@@ -79,7 +100,7 @@ class _Nccl:
 
     def disconnected(self, conn: Connection) -> None:
         """The connection dropped: `ncclCommAbort` frees its communicator and fails
-        anything still queued on it."""
+        anything still queued on it (the stream stays: fences still wait on it)."""
         if isinstance(comm := conn.state.pop("comm", None), int):
             self.nccl.comm_abort(comm)
 
@@ -90,9 +111,14 @@ class NcclLanding(_Nccl, Landing):
     backend = "nccl"
 
     def __init__(
-        self, kv_cache: KVCache, host: str, port: int = 0, advertise_host: str | None = None
+        self,
+        kv_cache: KVCache,
+        host: str,
+        port: int = 0,
+        advertise_host: str | None = None,
+        io_timeout_s: float = 30.0,
     ) -> None:
-        super().__init__(kv_cache.spec, kv_cache.flat.device)
+        super().__init__(kv_cache.spec, kv_cache.flat.device, io_timeout_s)
         self.kv_cache = kv_cache
         self.listener, self.endpoint = listen(host, port, advertise_host, "nccl")
 
@@ -116,31 +142,30 @@ class NcclLanding(_Nccl, Landing):
         conn.fs.recv_into(memoryview(raw))
         if (nbytes := int(_SIZE.unpack(raw)[0])) > limit or (exact and nbytes != limit):
             raise ProtocolError(f"nccl layer of {nbytes} bytes, expected {limit}")
-        staging, comm = conn.state.get("staging"), self.comm(conn)
-        with torch.cuda.stream(self.stream):  # allocated there too: only that stream reuses it
+        staging, comm, stream = conn.state.get("staging"), self.comm(conn), self.stream(conn)
+        with torch.cuda.stream(stream):  # allocated there too: only that stream reuses it
             if not isinstance(staging, torch.Tensor) or staging.numel() < nbytes:
                 staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 conn.state["staging"] = staging
             with self.nccl.group():
-                self.nccl.recv(
-                    staging.data_ptr(), nbytes, SENDER_RANK, comm, self.stream.cuda_stream
-                )
+                self.nccl.recv(staging.data_ptr(), nbytes, SENDER_RANK, comm, stream.cuda_stream)
         return staging[:nbytes]
 
     def land(self, conn: Connection, record: TransferRecord, header: Header) -> None:
         """Receive the packed layer (a wrong size would desynchronize NCCL's queues: a
         protocol error, not a skip) and queue its unpack on the side stream (`fence`)."""
-        n = len(record.block_ids)
+        n, stream = len(record.block_ids), self.stream(conn)
         buf = self._recv(conn, self.packed_bytes(n), exact=True)
         if header.has_crc:
-            self.stream.synchronize()
+            self.wait(stream.record_event())
             check_crc(header.crc, [buf.cpu().numpy().data], f"layer {header.layer}")
-        if not isinstance(ids := record.cache.get("dst_ids"), torch.Tensor):
-            ids = record.cache["dst_ids"] = torch.tensor(record.block_ids, device=self.device)
         k, v = self.kv_cache.key_caches[header.layer], self.kv_cache.value_caches[header.layer]
-        with record.write_lock, torch.cuda.stream(self.stream):
-            if not record.state.is_terminal:
-                unpack_kv_blocks(self.packed(buf, n), k, v, ids)
+        with torch.cuda.stream(stream):  # the ids' copy too, ordered before the unpack
+            if not isinstance(ids := record.cache.get("dst_ids"), torch.Tensor):
+                ids = record.cache["dst_ids"] = torch.tensor(record.block_ids, device=self.device)
+            with record.write_lock:
+                if not record.state.is_terminal:
+                    unpack_kv_blocks(self.packed(buf, n), k, v, ids)
 
     def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
         """Receive the layer anyway (into staging), keeping NCCL's queues matched."""
@@ -149,10 +174,12 @@ class NcclLanding(_Nccl, Landing):
         n = self.spec.num_blocks if record is None else len(record.block_ids)
         self._recv(conn, self.packed_bytes(n), exact=record is not None)
 
-    def fence(self) -> None:
-        """Unpacks already queued on the side stream land before DONE, and before failed
-        blocks return to the pool (where the engine would reuse them)."""
-        self.stream.synchronize()
+    def fence(self, record: TransferRecord) -> None:
+        """The unpacks queued for `record` land before DONE, and before its blocks return
+        to the pool (where the engine would reuse them); PeerLostError past `io_timeout_s`
+        (the blocks are then kept)."""
+        if isinstance(conn := record.peer, Connection) and "stream" in conn.state:
+            self.wait(self.stream(conn).record_event())
 
 
 class NcclWriting(_Nccl, Writing):
@@ -161,52 +188,68 @@ class NcclWriting(_Nccl, Writing):
     backend = "nccl"
     ready = staticmethod(layer_computed)
 
-    def __init__(self, spec: KVCacheSpec, device: str | torch.device | None = None) -> None:
-        super().__init__(spec, resolve_device(device))
-        # a ring of two packing buffers, each with the event of its last send
-        self._ring = [(torch.empty(0, dtype=torch.uint8), torch.cuda.Event()) for _ in range(2)]
-        self._turn = 0
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        device: str | torch.device | None = None,
+        io_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(spec, resolve_device(device), io_timeout_s)
 
     def open(self, endpoint: str, timeout_s: float) -> socket.socket:
         return socket.create_connection(parse_endpoint(endpoint, "nccl"), timeout_s)
 
     def welcome(self, conn: Connection) -> None:
-        """Join the communicator whose unique id the receiver sent."""
+        """Join the communicator whose unique id the receiver sent; the connection packs
+        into a ring of two buffers, each with the event of its last send."""
         try:
             unique_id = bytes.fromhex(str(conn.welcome["nccl_unique_id"]))
         except (KeyError, ValueError):
             raise PeerLostError(f"receiver at {conn.name} sent no valid NCCL unique id") from None
         self.join(conn, unique_id, SENDER_RANK)
+        conn.state["ring"] = [(torch.empty(0, dtype=torch.uint8), torch.cuda.Event()) for _ in "ab"]
 
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
-        """Per layer: pack the blocks on the side stream into the ring's next buffer (once
-        its last send is done), send the LAYER frame with the byte count, then `ncclSend`."""
-        comm = self.comm(conn)
+        """Per layer: pack the blocks on the connection's stream into its ring's next buffer
+        (once that buffer's last send is done), send the LAYER frame with the byte count,
+        then `ncclSend`; if either fails, the connection (and the receiver's comm) goes."""
+        comm, stream, ring = self.comm(conn), self.stream(conn), conn.state["ring"]
+        assert isinstance(ring, list)
         for item in items:
             assert item.k_cache is not None and item.v_cache is not None
             assert item.src_ids is not None
             n = len(item.src_ids)
             nbytes = self.packed_bytes(n)
-            self._turn ^= 1
-            held, sent = self._ring[self._turn]
-            sent.synchronize()  # the buffer's last send is done
-            with torch.cuda.stream(self.stream):  # allocations and the ids' copy too
+            ring.append(ring.pop(0))
+            held, sent = ring[-1]
+            try:
+                self.wait(sent)  # the buffer's last send is done
+            except PeerLostError:
+                conn.fs.close()  # the reader thread then aborts the comm
+                raise
+            with torch.cuda.stream(stream):  # allocations and the ids' copy too
                 if held.numel() < nbytes:
                     held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    self._ring[self._turn] = (held, sent)
+                    ring[-1] = (held, sent)
                 buf = held[:nbytes]
                 ids = torch.from_numpy(item.src_ids).to(self.device, non_blocking=True)
                 if isinstance(item.ready, torch.cuda.Event):
-                    self.stream.wait_event(item.ready)
+                    stream.wait_event(item.ready)
                 pack_kv_blocks(item.k_cache, item.v_cache, ids, out=self.packed(buf, n))
                 crc = crc32([buf.cpu().numpy().data]) if checksum else None
-                if record.state.is_terminal:
-                    return
-                conn.send_layer(item.ticket, item.layer, crc, (_SIZE.pack(nbytes),))
-                with self.nccl.group():
-                    self.nccl.send(
-                        buf.data_ptr(), nbytes, RECEIVER_RANK, comm, self.stream.cuda_stream
-                    )
-                sent.record(self.stream)
+                # Under the write_lock: `Sender._drop` aborts the comm only after taking it.
+                with record.write_lock:
+                    if record.state.is_terminal:
+                        return
+                    try:
+                        conn.send_layer(item.ticket, item.layer, crc, (_SIZE.pack(nbytes),))
+                        with self.nccl.group():
+                            self.nccl.send(
+                                buf.data_ptr(), nbytes, RECEIVER_RANK, comm, stream.cuda_stream
+                            )
+                    except BaseException:
+                        conn.fs.close()  # the receiver may await a send that never comes: end it
+                        raise
+                sent.record(stream)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Sequence
 
@@ -170,18 +171,35 @@ class Receiver(Endpoint):
             self._close_idle_connections()
             try:
                 sock, _ = self._landing.listener.accept()
+                self._admit(sock)
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except Exception as exc:  # e.g. out of file descriptors: this peer only is lost
+                if self.closed:
+                    return
+                self._count("accept_failed")
+                logger.warning("accepting a sender connection failed: %s", exc)
+                self._stopped.wait(0.1)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Accept thread: take a new connection (within `max_connections`), start its reader."""
+        try:
             conn = Connection(FrameSocket(sock, self.options.io_timeout_s), str(sock.fileno()))
-            with self._lock:
-                if self.closed or len(self.connections) >= self.options.max_connections:
-                    self.refusals["over_connection_limit"] += not self.closed
-                    conn.fs.close()
-                    continue
-                self.connections.add(conn)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            if self.closed or len(self.connections) >= self.options.max_connections:
+                self.refusals["over_connection_limit"] += not self.closed
+                return conn.fs.close()
+            self.connections.add(conn)
+        try:
             conn.thread = self._start("recv", self._run_connection, conn, self._receive, self._drop)
+        except BaseException:
+            with self._lock:
+                self.connections.discard(conn)
+            conn.fs.close()
+            raise
 
     def _close_idle_connections(self) -> None:
         """Accept thread: cut idle connections without transfers (readers then drop them)."""
@@ -217,24 +235,32 @@ class Receiver(Endpoint):
         self._read(conn, self._dispatch)
 
     def _drop(self, conn: Connection) -> None:
-        """The connection's thread ends (`_run_connection`): fail its transfers, lift
-        fences where the writer stopped."""
+        """The connection's thread ends (`_run_connection`): tear its data path down first
+        (nccl: abort the communicator, so that no fence waits on a receive a dead sender
+        will never match), then fail its transfers, fenced until the writer is known to
+        have stopped."""
         conn.fs.close()  # the sender sees EOF before our data path is torn down
         peer_closed = conn.state.get("peer_closed") is True
-        for record in self._table.bound_to(conn):
-            lost = PeerLostError(f"sender connection lost after {record.num_layers_done} layers")
-            self._table.finish(record.request_id, TransferState.FAILED, lost)
-            # shm: the sender closes only after finishing its transfers (under their
-            # write_lock), so its EOF is its word, unless the fence already timed out; a
-            # connection we closed proves nothing while its process runs. Otherwise the
-            # writer was this connection's reader thread, which just stopped.
-            if (
-                not self._landing.remote_writer
-                or (peer_closed and not record.quarantined)
-                or self._writer_gone(record)
-            ):
-                self._table.unfence(record.request_id, conn)
-        self._landing.disconnected(conn)
+        try:
+            self._landing.disconnected(conn)
+        finally:
+            for record in self._table.bound_to(conn):
+                lost = PeerLostError(
+                    f"sender connection lost after {record.num_layers_done} layers"
+                )
+                self._table.finish(
+                    record.request_id, TransferState.FAILED, lost, fence_if_bound=True
+                )
+                # shm: a sender ends its connection only once no copy into our blocks is in
+                # flight (under their write_lock), so its EOF is its word, unless the fence
+                # already timed out; a connection we closed proves nothing while its process
+                # runs. Otherwise the writer was this connection's reader, which just stopped.
+                if (
+                    not self._landing.remote_writer
+                    or (peer_closed and not record.quarantined)
+                    or self._writer_gone(record)
+                ):
+                    self._table.unfence(record.request_id, conn)
 
     def _dispatch(self, conn: Connection, header: Header) -> None:
         kind, rid = header.kind, header.request_id
@@ -311,7 +337,7 @@ class Receiver(Endpoint):
             if header.layer != num_layers or missing:
                 error = KVTransferError(f"finished without layers {missing}")
                 return self._terminate(record.request_id, TransferState.FAILED, error)
-            self._landing.fence()  # every queued unpack landed before the blocks are read
+            self._landing.fence(record)  # queued unpacks land before the blocks are read
             self._table.finish(record.request_id, TransferState.DONE)
         if record.state is TransferState.DONE:
             conn.fs.send(Kind.RESULT, record.request_id, layer=TransferState.DONE.code)

@@ -205,8 +205,9 @@ class Sender(Endpoint):
             self._queue.put(LayerItem(record.ticket, ABORT_ITEM))  # tell an unbound receiver
         elif isinstance(conn, Connection):
             _resolve(conn.pending.get(request_id), RejectedError(state, error))
-            if conn.alive:
-                conn.send_abort(request_id, state, error)
+            if conn.alive:  # with the epoch: an ABORT that overtakes our BEGIN still counts
+                epoch = 0 if record.ticket is None else record.ticket.epoch
+                conn.send_abort(request_id, state, error, epoch)
 
     def _work(self) -> None:
         backlog: deque[LayerItem | None] = deque()
@@ -269,9 +270,9 @@ class Sender(Endpoint):
                         f"ticket epoch {ticket.epoch} but the receiver "
                         f"restarted (epoch {conn.epoch}); ticket refused"
                     )
-                accepted = record.cache["accepted"] = conn.pending[ticket.request_id] = Future()
                 if not self._table.bind(record, conn):
                     return  # ended meanwhile
+                accepted = record.cache["accepted"] = conn.pending[ticket.request_id] = Future()
                 send_begin = True
         # Outside the records lock: a receiver slow to read stalls only this transfer. An
         # ABORT that overtakes this BEGIN is one the receiver handles (nothing to bind).
@@ -311,7 +312,7 @@ class Sender(Endpoint):
     def _keep_alive(self) -> None:
         """Keepalive thread: a PING on every connection unused for `idle_timeout_s / 4`, so
         the receiver keeps it open for the next transfer. A peer that cannot take 32 bytes
-        in `io_timeout_s` is lost: closing the socket makes its reader thread drop it."""
+        in `io_timeout_s` is lost: the failed send makes its reader thread drop it."""
         now = time.monotonic()
         with self._lock:
             idle = [
@@ -322,9 +323,8 @@ class Sender(Endpoint):
         for conn in idle:
             try:
                 conn.fs.send(Kind.PING)
-            except KVTransferError:
+            except KVTransferError:  # the send stopped the connection: its reader drops it
                 conn.alive = False
-                conn.fs.close()
                 continue
             conn.last_used = time.monotonic()
 

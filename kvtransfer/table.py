@@ -53,7 +53,8 @@ class TransferRecord:
 
 class TransferTable:
     """Thread-safe map request id -> record, with the terminal/release rules above;
-    `fence()` runs before every release (e.g. wait for a GPU stream writing the blocks)."""
+    `fence(record)` runs before every release (e.g. wait for a GPU stream writing its
+    blocks)."""
 
     def __init__(
         self,
@@ -62,7 +63,7 @@ class TransferTable:
         release_on_done: bool,
         fence_timeout_s: float = 5.0,
         ttl_s: float = 120.0,
-        fence: Callable[[], None] | None = None,
+        fence: Callable[[TransferRecord], None] | None = None,
     ) -> None:
         self._release, self._release_on_done, self._fence = release, release_on_done, fence
         self._fence_timeout_s, self._ttl_s = fence_timeout_s, ttl_s
@@ -160,7 +161,7 @@ class TransferTable:
             pass
         try:
             if self._fence is not None:
-                self._fence()
+                self._fence(record)
             self._release(record.request_id)
         except Exception:
             logger.exception("release(%r) raised", record.request_id)

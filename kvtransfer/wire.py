@@ -120,7 +120,7 @@ class FrameSocket:
                     while i < len(views):
                         i = _advance(views, i, self.sock.sendmsg(views[i : i + IOV_MAX]))
         except OSError as exc:
-            self.close()
+            self.stop()
             raise PeerLostError(f"send failed: {exc}") from exc
 
     def send_json(self, kind: Kind, request_id: str = "", obj: object = None, **kw: int) -> None:
@@ -193,10 +193,16 @@ class FrameSocket:
                 i, started = _advance(views, i, n), True
         return True
 
+    def stop(self) -> None:
+        """No more frames (a send failed): wakes our reader to EOF, but the peer sees the
+        connection end only at `close`, which the reader's thread calls once what ran on
+        this connection is over (a sender's copies into the peer's memory)."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RD)
+
     def close(self) -> None:
         """Idempotent; wakes a thread blocked in recv (it then sees EOF)."""
-        if self.closed:
-            return
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)

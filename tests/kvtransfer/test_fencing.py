@@ -160,6 +160,29 @@ def test_killed_stopped_shm_sender_releases_its_blocks_once_dead(stopped: Stoppe
     assert all_sentinel(receiver)
 
 
+@pytest.mark.parametrize("stopped", ["shm"], indirect=True)
+def test_connection_cut_by_the_receiver_keeps_a_live_writers_blocks(
+    stopped: StoppedSender,
+) -> None:
+    """The receiver's side of the connection ends (a send of its failed) while the sender
+    process runs: nothing says its copy stopped, so the blocks are kept until it is gone."""
+    receiver, handover = stopped.receiver, stopped.handover
+    for conn in list(receiver.connections):
+        conn.fs.close()
+    assert receiver.wait("t", 10.0) is TransferState.FAILED
+    time.sleep(OPTIONS.fence_timeout_s + LATER_S)  # the fence timed out meanwhile
+    assert handover.ids == [], "released while the writer was stopped mid-copy"
+    assert receiver.transfer_counts()["num_quarantined"] == 1
+    os.kill(stopped.pid, signal.SIGCONT)  # its copy goes on, then it sees the EOF and exits
+    assert stopped.conn.poll(30.0)
+    report = stopped.conn.recv()
+    assert report["state"] in ("expired", "failed") and report["released"] == ["t"]
+    stopped.process.join(30.0)
+    assert eventually(lambda: handover.ids == ["t"], 20.0)
+    assert receiver.transfer_counts() == {"num_open": 0, "num_fenced": 0, "num_quarantined": 0}
+    assert all_sentinel(receiver), "the sender wrote into blocks handed to another request"
+
+
 @pytest.mark.parametrize("stopped", ["tcp"], indirect=True)
 def test_stopped_tcp_sender_is_cut_off_and_never_lands_later(stopped: StoppedSender) -> None:
     receiver, handover = stopped.receiver, stopped.handover

@@ -158,7 +158,7 @@ def test_fence_timeout_cuts_the_writer_before_release_and_the_fence_runs_last() 
         lambda rid: events.append(f"release {rid}"),
         release_on_done=False,
         fence_timeout_s=0.0,
-        fence=lambda: events.append("fence"),
+        fence=lambda record: events.append("fence"),
     )
     rec = t.add(record())
     t.bind(rec, object())

@@ -95,6 +95,25 @@ def test_send_after_close_raises_peer_lost(pair: tuple[FrameSocket, FrameSocket]
             left.send(Kind.LAYER, "x", payload=[b"y" * 65536])
 
 
+def test_stop_wakes_our_reader_but_the_peer_sees_the_end_only_at_close(
+    pair: tuple[FrameSocket, FrameSocket],
+) -> None:
+    """After a failed send the reader thread must drop the connection, but the peer (a
+    receiver whose memory we may still be copying into) must not see EOF before `close`."""
+    left, right = pair
+    seen: list[object] = []
+    reader = threading.Thread(target=lambda: seen.append(left.recv_header()))
+    reader.start()
+    left.stop()
+    reader.join(5.0)
+    assert seen == [None] and left.closed
+    right.sock.settimeout(0.3)
+    with pytest.raises(TimeoutError):
+        right.sock.recv(1)
+    left.close()
+    assert right.recv_header() is None
+
+
 def test_many_buffers_out_and_scattered_in(pair: tuple[FrameSocket, FrameSocket]) -> None:
     left, right = pair
     rng = np.random.default_rng(1)
