@@ -104,24 +104,30 @@ class FrameSocket:
         layer: int = 0,
         crc: int | None = None,
         payload: Sequence[memoryview | bytes] = (),
-    ) -> None:
-        """Write one whole frame (header, id, payload buffers); raises PeerLostError."""
+        wait: bool = True,
+    ) -> bool:
+        """Write one whole frame (header, id, payload buffers); raises PeerLostError. Without
+        `wait`, False (nothing sent) while another thread is sending a frame."""
         rid = request_id.encode()
         parts = [_flat_bytes(p) for p in payload]
         size = sum(p.nbytes for p in parts)
         flags = 0 if crc is None else FLAG_CRC
         head = _HEADER.pack(MAGIC, kind, flags, len(rid), layer, epoch, size, crc or 0) + rid
+        if not self._send_lock.acquire(blocking=wait):
+            return False
         try:
-            with self._send_lock:
-                if size < 65536:
-                    self.sock.sendall(b"".join([head, *parts]))
-                else:  # gather-write the payload straight from the cache
-                    views, i = [memoryview(head), *parts], 0
-                    while i < len(views):
-                        i = _advance(views, i, self.sock.sendmsg(views[i : i + IOV_MAX]))
+            if size < 65536:
+                self.sock.sendall(b"".join([head, *parts]))
+            else:  # gather-write the payload straight from the cache
+                views, i = [memoryview(head), *parts], 0
+                while i < len(views):
+                    i = _advance(views, i, self.sock.sendmsg(views[i : i + IOV_MAX]))
         except OSError as exc:
             self.stop()
             raise PeerLostError(f"send failed: {exc}") from exc
+        finally:
+            self._send_lock.release()
+        return True
 
     def send_json(self, kind: Kind, request_id: str = "", obj: object = None, **kw: int) -> None:
         body = json.dumps({} if obj is None else obj).encode()
@@ -239,9 +245,22 @@ class Connection:
     def send_abort(
         self, rid: str, state: TransferState, error: KVTransferError, epoch: int = 0
     ) -> None:
-        """Tell the peer `rid` ended (best effort: a lost peer needs no telling)."""
-        with contextlib.suppress(PeerLostError):
-            self.fs.send_json(Kind.ABORT, rid, error_to_wire(error), epoch=epoch, layer=state.code)
+        """Tell the peer `rid` ended (best effort: a lost peer needs no telling), never
+        behind a frame another thread is sending (a layer to a stalled peer): that case goes
+        out from a thread of its own, so that `abort` returns at once."""
+        body = json.dumps(error_to_wire(error)).encode()
+
+        def send(wait: bool) -> bool:
+            try:
+                parts = (body,)
+                return self.fs.send(
+                    Kind.ABORT, rid, epoch=epoch, layer=state.code, payload=parts, wait=wait
+                )
+            except PeerLostError:
+                return True
+
+        if not send(wait=False):
+            threading.Thread(target=send, args=(True,), name="kv-abort", daemon=True).start()
 
 
 def _advance(views: list[memoryview], i: int, nbytes: int) -> int:

@@ -1,9 +1,10 @@
-"""Failures around a receiver's connections: an accept that fails for want of file
-descriptors, an abort that overtakes its BEGIN, and the order in which a dropped
-connection's data path is torn down and its blocks are fenced."""
+"""Failures around the connections: an accept that fails for want of file descriptors, an
+abort that overtakes its BEGIN or meets a send stuck on a stalled receiver, and the order in
+which a dropped connection's data path is torn down and its blocks are fenced."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import resource
 import socket
@@ -13,7 +14,7 @@ from multiprocessing.connection import Connection as Pipe
 import pytest
 from kvt_peers import FAST, Released, eventually, make_receiver, source_cache, spec
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import KVTransferError, TransferState, create_sender
 from kvtransfer.receiver import Receiver
 from kvtransfer.table import TransferRecord
@@ -135,3 +136,50 @@ def test_a_dropped_connection_tears_its_data_path_down_before_any_fence() -> Non
     finally:
         sender.close()
         receiver.close()
+
+
+class StalledLanding(TcpLanding):
+    """A receiver that stops reading in the middle of a LAYER frame until `resume` is set."""
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        super().__init__(kv_cache, "127.0.0.1")
+        self.resume = threading.Event()
+
+    def land(self, conn: Connection, record: TransferRecord, header: object) -> None:
+        self.resume.wait(30.0)
+        super().land(conn, record, header)  # type: ignore[arg-type]
+
+
+def test_abort_returns_while_a_layer_is_stuck_on_a_stalled_receiver() -> None:
+    """The sender's worker is blocked sending a layer far larger than the socket buffers;
+    prefill's abort (on its event loop) must not wait for that send: the ABORT follows it
+    from a thread of its own, and the receiver ends the transfer once it reads again."""
+    s = KVCacheSpec(2, 300, 16, 8, 128, "float32")  # 256 blocks: 32 MiB a layer
+    blocks = tuple(range(256))
+    released, sender_released = Released(), Released()
+    options = dataclasses.replace(FAST, io_timeout_s=40.0)
+    landing = StalledLanding(KVCache.allocate(s))
+    receiver = Receiver(s, landing, model_id="test-model", release=released, options=options)
+    sender = create_sender(
+        "tcp", s, model_id="test-model", release=sender_released, options=options
+    )
+    try:
+        ticket = receiver.open_ticket("stuck", blocks, 60.0)
+        sender.connect(ticket, 10.0)
+        cache = KVCache.allocate(s)
+        sender.send_layer(ticket, 0, cache.key_caches[0], cache.value_caches[0], blocks)
+        assert eventually(lambda: receiver.poll("stuck") is TransferState.TRANSFERRING, 10.0)
+        aborting = threading.Thread(target=sender.abort, args=("stuck",))
+        aborting.start()
+        aborting.join(10.0)
+        assert not aborting.is_alive(), "abort waited for a send stuck on a stalled receiver"
+        assert sender.poll("stuck") is TransferState.ABORTED and sender_released.ids == ["stuck"]
+        assert receiver.poll("stuck") is TransferState.TRANSFERRING  # it has not read on yet
+        landing.resume.set()
+        assert receiver.wait("stuck", 20.0) is TransferState.ABORTED
+        assert released.wait_for("stuck")
+    finally:
+        landing.resume.set()
+        sender.close()
+        receiver.close()
+    assert released.ids == ["stuck"] and sender_released.ids == ["stuck"]
