@@ -98,10 +98,10 @@ class Landing(Protocol):
         """Consume a LAYER frame of a transfer that ended or is not bound here."""
         conn.fs.discard(header.nbytes)
 
-    def fence(self, record: TransferRecord) -> None:
+    def fence(self, record: TransferRecord) -> bool:
         """Wait until no write `land` queued for `record` is in flight (before DONE, and
-        before its blocks return to the pool)."""
-        return None
+        before its blocks return to the pool); False if the writes ended incomplete."""
+        return True
 
     def writer_running(self, conn: Connection) -> bool:
         """Whether the process writing through `conn` may still write (shm: the sender)."""

@@ -43,7 +43,7 @@ class Endpoint:
         release: ReleaseFn,
         *,
         release_on_done: bool,
-        fence: Callable[[TransferRecord], None] | None = None,
+        fence: Callable[[TransferRecord], object] | None = None,
     ) -> None:
         self.backend, self.options, self.closed = backend, options, False
         self._table = TransferTable(

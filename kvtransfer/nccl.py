@@ -8,14 +8,21 @@ The receiver, reading frames in order, posts the `ncclRecv` and the unpack on it
 which its fence waits for before DONE and before an ended transfer's blocks return to the
 pool. NCCL work with a dead or stopped peer never completes on its own: every wait on it is
 bounded by `io_timeout_s`, after which the connection drops and its communicator is aborted
-(`ncclCommAbort`), which ends that work. NCCL cannot join two ranks on one GPU: the pair
-needs two devices.
+(`ncclCommAbort`), which ends that work. No abort runs while a post on the comm may be
+under way: the receiver's reader thread both posts and aborts; the sender posts under the
+transfer's write_lock, which `Sender._drop` takes before aborting. The side streams come
+from torch's pool (32 per device and priority): past 32 connections in one process two may
+share one, and a stalled peer then delays the other's work until its connection is cut.
+The handshake's NCCL steps (joining the comm, the first exchange) have no deadline of
+their own (NCCL's non-blocking communicators would give them one). NCCL cannot join two
+ranks on one GPU: the pair needs two devices.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import torch
@@ -66,9 +73,23 @@ class _Nccl:
         self.io_timeout_s = io_timeout_s
 
     def join(self, conn: Connection, unique_id: bytes, rank: int) -> None:
-        conn.state["stream"] = torch.cuda.Stream(self.device)
-        with torch.cuda.device(self.device):
-            conn.state["comm"] = self.nccl.comm_init_rank(2, unique_id, rank)
+        """Join the pair's communicator, then pass one byte over it: NCCL connects a pair
+        lazily, in its first send and receive, each blocking until the other is posted;
+        done here, in the handshake, no later send waits on the peer."""
+        stream = conn.state["stream"] = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            comm = conn.state["comm"] = self.nccl.comm_init_rank(2, unique_id, rank)
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            with self.nccl.group():
+                post = self.nccl.send if rank == SENDER_RANK else self.nccl.recv
+                post(probe.data_ptr(), 1, 1 - rank, comm, stream.cuda_stream)
+            self.wait(stream.record_event())
+
+    def device_ids(self, ids: object) -> torch.Tensor:
+        """Block ids on the device, copied on the current stream from pinned memory: an
+        asynchronous copy, never a wait for the stream's NCCL work."""
+        host = torch.as_tensor(ids, dtype=torch.int64)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def comm(self, conn: Connection) -> int:
         if not isinstance(comm := conn.state.get("comm"), int):
@@ -155,17 +176,17 @@ class NcclLanding(_Nccl, Landing):
         """Receive the packed layer (a wrong size would desynchronize NCCL's queues: a
         protocol error, not a skip) and queue its unpack on the side stream (`fence`)."""
         n, stream = len(record.block_ids), self.stream(conn)
+        if not isinstance(ids := record.cache.get("dst_ids"), torch.Tensor):
+            with torch.cuda.stream(stream):  # ordered before the unpack that reads them
+                ids = record.cache["dst_ids"] = self.device_ids(record.block_ids)
         buf = self._recv(conn, self.packed_bytes(n), exact=True)
         if header.has_crc:
             self.wait(stream.record_event())
             check_crc(header.crc, [buf.cpu().numpy().data], f"layer {header.layer}")
         k, v = self.kv_cache.key_caches[header.layer], self.kv_cache.value_caches[header.layer]
-        with torch.cuda.stream(stream):  # the ids' copy too, ordered before the unpack
-            if not isinstance(ids := record.cache.get("dst_ids"), torch.Tensor):
-                ids = record.cache["dst_ids"] = torch.tensor(record.block_ids, device=self.device)
-            with record.write_lock:
-                if not record.state.is_terminal:
-                    unpack_kv_blocks(self.packed(buf, n), k, v, ids)
+        with record.write_lock, torch.cuda.stream(stream):
+            if not record.state.is_terminal:
+                unpack_kv_blocks(self.packed(buf, n), k, v, ids)
 
     def skip(self, conn: Connection, header: Header, record: TransferRecord | None) -> None:
         """Receive the layer anyway (into staging), keeping NCCL's queues matched."""
@@ -174,12 +195,25 @@ class NcclLanding(_Nccl, Landing):
         n = self.spec.num_blocks if record is None else len(record.block_ids)
         self._recv(conn, self.packed_bytes(n), exact=record is not None)
 
-    def fence(self, record: TransferRecord) -> None:
-        """The unpacks queued for `record` land before DONE, and before its blocks return
-        to the pool (where the engine would reuse them); PeerLostError past `io_timeout_s`
-        (the blocks are then kept)."""
-        if isinstance(conn := record.peer, Connection) and "stream" in conn.state:
-            self.wait(self.stream(conn).record_event())
+    def fence(self, record: TransferRecord) -> bool:
+        """Wait for the unpacks queued for `record`: before DONE, and before its blocks
+        return to the pool (where the engine would reuse them). A receive whose sender went
+        silent ends only when the comm is aborted, which only the connection's reader may do
+        (it alone posts on it): every `io_timeout_s` the reader aborts it, or another thread
+        closes the connection for the reader to drop it. False if it came to that."""
+        if not isinstance(conn := record.peer, Connection) or "stream" not in conn.state:
+            return True
+        done, cut = self.stream(conn).record_event(), False
+        while True:
+            try:
+                self.wait(done)
+                return not cut
+            except PeerLostError:
+                cut = True
+                if conn.thread is threading.current_thread():
+                    self.disconnected(conn)
+                else:
+                    conn.fs.close()
 
 
 class NcclWriting(_Nccl, Writing):
@@ -209,6 +243,15 @@ class NcclWriting(_Nccl, Writing):
         self.join(conn, unique_id, SENDER_RANK)
         conn.state["ring"] = [(torch.empty(0, dtype=torch.uint8), torch.cuda.Event()) for _ in "ab"]
 
+    def wait_or_drop(self, conn: Connection, event: torch.cuda.Event) -> None:
+        """`wait`; past `io_timeout_s` the connection closes (its reader then aborts the
+        comm, which ends the stuck work) and PeerLostError fails the transfer."""
+        try:
+            self.wait(event)
+        except PeerLostError:
+            conn.fs.close()
+            raise
+
     def write(
         self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
     ) -> None:
@@ -224,21 +267,20 @@ class NcclWriting(_Nccl, Writing):
             nbytes = self.packed_bytes(n)
             ring.append(ring.pop(0))
             held, sent = ring[-1]
-            try:
-                self.wait(sent)  # the buffer's last send is done
-            except PeerLostError:
-                conn.fs.close()  # the reader thread then aborts the comm
-                raise
+            self.wait_or_drop(conn, sent)  # the buffer's last send is done
             with torch.cuda.stream(stream):  # allocations and the ids' copy too
                 if held.numel() < nbytes:
                     held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                     ring[-1] = (held, sent)
                 buf = held[:nbytes]
-                ids = torch.from_numpy(item.src_ids).to(self.device, non_blocking=True)
+                ids = self.device_ids(item.src_ids)
                 if isinstance(item.ready, torch.cuda.Event):
                     stream.wait_event(item.ready)
                 pack_kv_blocks(item.k_cache, item.v_cache, ids, out=self.packed(buf, n))
-                crc = crc32([buf.cpu().numpy().data]) if checksum else None
+                crc = None
+                if checksum:  # the packed bytes, once the pack is done
+                    self.wait_or_drop(conn, stream.record_event())
+                    crc = crc32([buf.cpu().numpy().data])
                 # Under the write_lock: `Sender._drop` aborts the comm only after taking it.
                 with record.write_lock:
                     if record.state.is_terminal:

@@ -337,7 +337,8 @@ class Receiver(Endpoint):
             if header.layer != num_layers or missing:
                 error = KVTransferError(f"finished without layers {missing}")
                 return self._terminate(record.request_id, TransferState.FAILED, error)
-            self._landing.fence(record)  # queued unpacks land before the blocks are read
+            if not self._landing.fence(record):  # queued unpacks land before DONE
+                raise PeerLostError("the sender went silent before its last layer landed")
             self._table.finish(record.request_id, TransferState.DONE)
         if record.state is TransferState.DONE:
             conn.fs.send(Kind.RESULT, record.request_id, layer=TransferState.DONE.code)

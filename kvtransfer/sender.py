@@ -367,6 +367,8 @@ class Sender(Endpoint):
             return conn
         except BaseException:
             conn.fs.close()
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self._writing.disconnected(conn)  # what `welcome` set up (nccl: the comm)
             raise
 
     def _dispatch(self, conn: Connection, header: Header) -> None:

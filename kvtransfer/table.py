@@ -63,7 +63,7 @@ class TransferTable:
         release_on_done: bool,
         fence_timeout_s: float = 5.0,
         ttl_s: float = 120.0,
-        fence: Callable[[TransferRecord], None] | None = None,
+        fence: Callable[[TransferRecord], object] | None = None,
     ) -> None:
         self._release, self._release_on_done, self._fence = release, release_on_done, fence
         self._fence_timeout_s, self._ttl_s = fence_timeout_s, ttl_s

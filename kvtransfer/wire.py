@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import select
 import socket
 import struct
 import threading
@@ -104,30 +105,67 @@ class FrameSocket:
         layer: int = 0,
         crc: int | None = None,
         payload: Sequence[memoryview | bytes] = (),
-        wait: bool = True,
-    ) -> bool:
-        """Write one whole frame (header, id, payload buffers); raises PeerLostError. Without
-        `wait`, False (nothing sent) while another thread is sending a frame."""
-        rid = request_id.encode()
-        parts = [_flat_bytes(p) for p in payload]
-        size = sum(p.nbytes for p in parts)
-        flags = 0 if crc is None else FLAG_CRC
-        head = _HEADER.pack(MAGIC, kind, flags, len(rid), layer, epoch, size, crc or 0) + rid
-        if not self._send_lock.acquire(blocking=wait):
-            return False
+    ) -> None:
+        """Write one whole frame (header, id, payload buffers); PeerLostError once the
+        connection is stopped or the write fails."""
+        views = _frame(kind, request_id, epoch, layer, crc, payload)
+        with self._send_lock:
+            self._write(views)
+
+    def send_soon(
+        self, kind: Kind, request_id: str, obj: object, *, epoch: int, layer: int
+    ) -> None:
+        """Write a small JSON frame without blocking the caller (prefill aborts on its event
+        loop): at once if the socket is free and takes it whole, else from a thread of its
+        own that holds the send lock until the frame is out (frames never interleave).
+        PeerLostError if the connection is stopped already."""
+        frame = b"".join(_frame(kind, request_id, epoch, layer, None, (json.dumps(obj).encode(),)))
+        locked, sent = self._send_lock.acquire(blocking=False), 0
+        if locked:
+            try:
+                if self.closed:
+                    raise PeerLostError("connection stopped")
+                poller = select.poll()
+                poller.register(self.sock, select.POLLOUT)
+                if poller.poll(0):  # room for some of it: `send` takes what fits, at once
+                    sent = self.sock.send(frame)
+            except OSError as exc:
+                self._send_lock.release()
+                self.stop()
+                raise PeerLostError(f"send failed: {exc}") from exc
+            except BaseException:
+                self._send_lock.release()
+                raise
+            if sent == len(frame):
+                return self._send_lock.release()
+        rest = memoryview(frame)[sent:]
+        threading.Thread(
+            target=self._send_later, args=(rest, locked), name="kv-send", daemon=True
+        ).start()
+
+    def _send_later(self, rest: memoryview, locked: bool) -> None:
+        if not locked:
+            self._send_lock.acquire()
         try:
-            if size < 65536:
-                self.sock.sendall(b"".join([head, *parts]))
+            with contextlib.suppress(PeerLostError):
+                self._write([rest])
+        finally:
+            self._send_lock.release()
+
+    def _write(self, views: list[memoryview]) -> None:
+        """With the send lock held: write `views` whole, or stop the connection."""
+        if self.closed:
+            raise PeerLostError("connection stopped")
+        try:
+            if sum(v.nbytes for v in views) < 65536:
+                self.sock.sendall(b"".join(views))
             else:  # gather-write the payload straight from the cache
-                views, i = [memoryview(head), *parts], 0
+                i = 0
                 while i < len(views):
                     i = _advance(views, i, self.sock.sendmsg(views[i : i + IOV_MAX]))
         except OSError as exc:
             self.stop()
             raise PeerLostError(f"send failed: {exc}") from exc
-        finally:
-            self._send_lock.release()
-        return True
 
     def send_json(self, kind: Kind, request_id: str = "", obj: object = None, **kw: int) -> None:
         body = json.dumps({} if obj is None else obj).encode()
@@ -245,22 +283,11 @@ class Connection:
     def send_abort(
         self, rid: str, state: TransferState, error: KVTransferError, epoch: int = 0
     ) -> None:
-        """Tell the peer `rid` ended (best effort: a lost peer needs no telling), never
-        behind a frame another thread is sending (a layer to a stalled peer): that case goes
-        out from a thread of its own, so that `abort` returns at once."""
-        body = json.dumps(error_to_wire(error)).encode()
-
-        def send(wait: bool) -> bool:
-            try:
-                parts = (body,)
-                return self.fs.send(
-                    Kind.ABORT, rid, epoch=epoch, layer=state.code, payload=parts, wait=wait
-                )
-            except PeerLostError:
-                return True
-
-        if not send(wait=False):
-            threading.Thread(target=send, args=(True,), name="kv-abort", daemon=True).start()
+        """Tell the peer `rid` ended, without waiting (`FrameSocket.send_soon`: a stalled
+        peer or a layer going out must not hold up an abort); best effort: a lost peer
+        needs no telling."""
+        with contextlib.suppress(PeerLostError):
+            self.fs.send_soon(Kind.ABORT, rid, error_to_wire(error), epoch=epoch, layer=state.code)
 
 
 def _advance(views: list[memoryview], i: int, nbytes: int) -> int:
@@ -274,6 +301,21 @@ def _advance(views: list[memoryview], i: int, nbytes: int) -> int:
     while i < len(views) and views[i].nbytes == 0:
         i += 1
     return i
+
+
+def _frame(
+    kind: Kind,
+    request_id: str,
+    epoch: int,
+    layer: int,
+    crc: int | None,
+    payload: Sequence[memoryview | bytes],
+) -> list[memoryview]:
+    """A frame as buffers to write in order: header and request id, then the payload."""
+    rid, parts = request_id.encode(), [_flat_bytes(p) for p in payload]
+    size, flags = sum(p.nbytes for p in parts), 0 if crc is None else FLAG_CRC
+    head = _HEADER.pack(MAGIC, kind, flags, len(rid), layer, epoch, size, crc or 0) + rid
+    return [memoryview(head), *parts]
 
 
 def _flat_bytes(buffer: memoryview | bytes) -> memoryview:

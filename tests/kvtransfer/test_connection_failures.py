@@ -109,8 +109,9 @@ class RecordingLanding(TcpLanding):
         self.events: list[str] = []
         self.aborted = threading.Event()
 
-    def fence(self, record: TransferRecord) -> None:
+    def fence(self, record: TransferRecord) -> bool:
         self.events.append("fence" if self.aborted.wait(5.0) else "fence stuck")
+        return True
 
     def disconnected(self, conn: Connection) -> None:
         self.events.append("disconnected")

@@ -114,6 +114,45 @@ def test_stop_wakes_our_reader_but_the_peer_sees_the_end_only_at_close(
     assert right.recv_header() is None
 
 
+def test_send_soon_never_blocks_and_keeps_frames_whole(
+    pair: tuple[FrameSocket, FrameSocket],
+) -> None:
+    """Far more than the socket buffers hold, nobody reading: every `send_soon` returns at
+    once (what does not fit goes out from a thread), and the reader later gets each frame
+    whole, none spliced into another."""
+    left, right = pair
+    pad = "x" * 60_000
+    calls = threading.Thread(
+        target=lambda: [
+            left.send_soon(Kind.ABORT, f"r{i}", {"i": i, "pad": pad}, epoch=7, layer=4)
+            for i in range(200)
+        ]
+    )
+    calls.start()
+    calls.join(10.0)
+    assert not calls.is_alive(), "send_soon blocked on a peer that does not read"
+    seen = set()
+    for _ in range(200):
+        header = right.recv_header()
+        assert header is not None and header.kind is Kind.ABORT
+        assert (header.epoch, header.layer) == (7, 4)
+        body = right.recv_json(header)
+        assert body["pad"] == pad and header.request_id == f"r{body['i']}"
+        seen.add(body["i"])
+    assert seen == set(range(200))
+
+
+def test_a_stopped_socket_sends_nothing_more(pair: tuple[FrameSocket, FrameSocket]) -> None:
+    left, right = pair
+    left.stop()
+    with pytest.raises(PeerLostError):
+        left.send(Kind.PING)
+    with pytest.raises(PeerLostError):
+        left.send_soon(Kind.ABORT, "r", {}, epoch=0, layer=0)
+    left.close()
+    assert right.recv_header() is None  # not a byte went out after stop
+
+
 def test_many_buffers_out_and_scattered_in(pair: tuple[FrameSocket, FrameSocket]) -> None:
     left, right = pair
     rng = np.random.default_rng(1)
