@@ -122,6 +122,7 @@ class Endpoint:
         """A connection's thread: run `body` (read its frames); whatever ended it, mark it
         dead, let the owner `drop` its transfers, then close and forget it. A peer breaking
         the protocol fails the transfers bound to it."""
+        conn.thread = threading.current_thread()  # before any frame: fences look for it
         try:
             body(conn)
         except ProtocolError as exc:

@@ -200,20 +200,20 @@ class NcclLanding(_Nccl, Landing):
         return to the pool (where the engine would reuse them). A receive whose sender went
         silent ends only when the comm is aborted, which only the connection's reader may do
         (it alone posts on it): every `io_timeout_s` the reader aborts it, or another thread
-        closes the connection for the reader to drop it. False if it came to that."""
+        closes the connection for the reader to drop it. Either way the connection ends:
+        every transfer on it lost its receives. False once the comm is gone (what was
+        queued may not have arrived)."""
         if not isinstance(conn := record.peer, Connection) or "stream" not in conn.state:
             return True
-        done, cut = self.stream(conn).record_event(), False
+        done = self.stream(conn).record_event()
         while True:
             try:
                 self.wait(done)
-                return not cut
+                return "comm" in conn.state
             except PeerLostError:
-                cut = True
                 if conn.thread is threading.current_thread():
                     self.disconnected(conn)
-                else:
-                    conn.fs.close()
+                conn.fs.close()
 
 
 class NcclWriting(_Nccl, Writing):

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import select
+import logging
+import os
 import socket
 import struct
 import threading
@@ -34,6 +35,7 @@ from kvtransfer.base import (
     error_to_wire,
 )
 
+logger = logging.getLogger(__name__)
 MAGIC = 0x564B4450  # b"PDKV" little-endian
 PROTOCOL_VERSION = 3  # 3: PING
 MAX_CONTROL_BYTES = 64 * 1024  # any payload but a LAYER's: JSON objects, request ids
@@ -121,27 +123,30 @@ class FrameSocket:
         PeerLostError if the connection is stopped already."""
         frame = b"".join(_frame(kind, request_id, epoch, layer, None, (json.dumps(obj).encode(),)))
         locked, sent = self._send_lock.acquire(blocking=False), 0
-        if locked:
-            try:
+        try:
+            if locked:
                 if self.closed:
                     raise PeerLostError("connection stopped")
-                poller = select.poll()
-                poller.register(self.sock, select.POLLOUT)
-                if poller.poll(0):  # room for some of it: `send` takes what fits, at once
-                    sent = self.sock.send(frame)
-            except OSError as exc:
+                # The fd is non-blocking (the socket has a timeout): os.write takes what
+                # fits now, where socket.send would wait for room.
+                with contextlib.suppress(BlockingIOError):
+                    sent = os.write(self.sock.fileno(), frame)
+                if sent == len(frame):
+                    return self._send_lock.release()
+            rest = memoryview(frame)[sent:]
+            threading.Thread(
+                target=self._send_later, args=(rest, locked), name="kv-send", daemon=True
+            ).start()
+        except (OSError, ValueError, RuntimeError) as exc:  # closed meanwhile; no thread
+            if sent or isinstance(exc, OSError):
+                self.stop()  # a broken socket, or half a frame out: nothing may follow
+            if locked:
                 self._send_lock.release()
-                self.stop()
-                raise PeerLostError(f"send failed: {exc}") from exc
-            except BaseException:
+            raise PeerLostError(f"send failed: {exc}") from exc
+        except BaseException:
+            if locked:
                 self._send_lock.release()
-                raise
-            if sent == len(frame):
-                return self._send_lock.release()
-        rest = memoryview(frame)[sent:]
-        threading.Thread(
-            target=self._send_later, args=(rest, locked), name="kv-send", daemon=True
-        ).start()
+            raise
 
     def _send_later(self, rest: memoryview, locked: bool) -> None:
         if not locked:
@@ -286,8 +291,12 @@ class Connection:
         """Tell the peer `rid` ended, without waiting (`FrameSocket.send_soon`: a stalled
         peer or a layer going out must not hold up an abort); best effort: a lost peer
         needs no telling."""
-        with contextlib.suppress(PeerLostError):
+        try:
             self.fs.send_soon(Kind.ABORT, rid, error_to_wire(error), epoch=epoch, layer=state.code)
+        except PeerLostError:
+            pass
+        except Exception:  # an abort path must not raise: the peer learns it from the deadline
+            logger.exception("telling the peer %r ended failed", rid)
 
 
 def _advance(views: list[memoryview], i: int, nbytes: int) -> int:

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import pytest
 
-from kvtransfer.base import PeerLostError
-from kvtransfer.wire import FrameSocket, Kind
+from kvtransfer.base import PeerLostError, TransferAbortedError, TransferState
+from kvtransfer.wire import Connection, FrameSocket, Kind
 
 
 @pytest.fixture
@@ -151,6 +151,18 @@ def test_a_stopped_socket_sends_nothing_more(pair: tuple[FrameSocket, FrameSocke
         left.send_soon(Kind.ABORT, "r", {}, epoch=0, layer=0)
     left.close()
     assert right.recv_header() is None  # not a byte went out after stop
+
+
+def test_an_abort_on_a_socket_closed_under_it_raises_nothing(
+    pair: tuple[FrameSocket, FrameSocket],
+) -> None:
+    """Another thread closed the socket between the checks (its fd is -1 now): send_soon
+    says the peer is lost, and an abort, which must never raise, says nothing."""
+    left, _ = pair
+    left.sock.close()
+    with pytest.raises(PeerLostError):
+        left.send_soon(Kind.ABORT, "r", {}, epoch=0, layer=0)
+    Connection(left, "gone").send_abort("r", TransferState.ABORTED, TransferAbortedError("test"))
 
 
 def test_many_buffers_out_and_scattered_in(pair: tuple[FrameSocket, FrameSocket]) -> None:
