@@ -11,8 +11,9 @@ bounded by `io_timeout_s`, after which the connection drops and its communicator
 (`ncclCommAbort`), which ends that work. No abort runs while a post on the comm may be
 under way: the receiver's reader thread both posts and aborts; the sender posts under the
 transfer's write_lock, which `Sender._drop` takes before aborting. The side streams come
-from torch's pool (32 per device and priority): past 32 connections in one process two may
-share one, and a stalled peer then delays the other's work until its connection is cut.
+from torch's pool (32 per device and priority, handed out in turn to every stream the
+process creates), so two live connections can share one, and a fence can then wait on the
+other's stuck receive until that connection is cut (dedicated streams would end this).
 The handshake's NCCL steps (joining the comm, the first exchange) have no deadline of
 their own (NCCL's non-blocking communicators would give them one). NCCL cannot join two
 ranks on one GPU: the pair needs two devices.

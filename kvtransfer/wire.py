@@ -89,6 +89,7 @@ class FrameSocket:
         sock.settimeout(io_timeout_s)
         self._io_timeout_s = io_timeout_s
         self._send_lock = threading.Lock()
+        self._fd_lock = threading.Lock()  # `send_soon`'s write vs `close`: the fd is not reused
         self._scratch = bytearray(1 << 16)
         self.closed = False
         self._give_up_at: float | None = None  # monotonic; None: wait as long as it takes
@@ -125,11 +126,11 @@ class FrameSocket:
         locked, sent = self._send_lock.acquire(blocking=False), 0
         try:
             if locked:
-                if self.closed:
-                    raise PeerLostError("connection stopped")
                 # The fd is non-blocking (the socket has a timeout): os.write takes what
                 # fits now, where socket.send would wait for room.
-                with contextlib.suppress(BlockingIOError):
+                with self._fd_lock, contextlib.suppress(BlockingIOError):
+                    if self.closed:
+                        raise PeerLostError("connection stopped")
                     sent = os.write(self.sock.fileno(), frame)
                 if sent == len(frame):
                     return self._send_lock.release()
@@ -144,6 +145,8 @@ class FrameSocket:
                 self._send_lock.release()
             raise PeerLostError(f"send failed: {exc}") from exc
         except BaseException:
+            if sent:
+                self.stop()
             if locked:
                 self._send_lock.release()
             raise
@@ -255,7 +258,8 @@ class FrameSocket:
         self.closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        with self._fd_lock:
+            self.sock.close()
 
 
 class Connection:
