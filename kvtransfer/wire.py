@@ -138,17 +138,13 @@ class FrameSocket:
             threading.Thread(
                 target=self._send_later, args=(rest, locked), name="kv-send", daemon=True
             ).start()
-        except (OSError, ValueError, RuntimeError) as exc:  # closed meanwhile; no thread
+        except BaseException as exc:
             if sent or isinstance(exc, OSError):
                 self.stop()  # a broken socket, or half a frame out: nothing may follow
             if locked:
                 self._send_lock.release()
-            raise PeerLostError(f"send failed: {exc}") from exc
-        except BaseException:
-            if sent:
-                self.stop()
-            if locked:
-                self._send_lock.release()
+            if isinstance(exc, OSError | ValueError | RuntimeError):  # closed meanwhile; no thread
+                raise PeerLostError(f"send failed: {exc}") from exc
             raise
 
     def _send_later(self, rest: memoryview, locked: bool) -> None:
