@@ -1,6 +1,6 @@
 """Each pool scales on its own signal: Serve custom autoscaling policies and their math.
 
-Replicas report signals through `record_autoscaling_stats` (`engine/signals.py` names
+Replicas report signals through `record_autoscaling_stats` (`replica/signals.py` names
 them); Serve averages each over `look_back_period_s` per replica and calls the pool's
 policy about every 100 ms:
 
@@ -29,7 +29,7 @@ that Serve's delay holds back is not lost.
 Every decision to change the replica count is logged once (on the Serve controller's log,
 `SCALING_EVENT` then JSON: pool, current and desired count, the `signal` that drove it and
 the metric values), until the decision changes; `pdserve bench autoscale` reads these.
-Cold-start artefacts are kept out of the signals where they are made (`engine/signals.py`:
+Cold-start artefacts are kept out of the signals where they are made (`replica/signals.py`:
 latency percentiles and the measured rate need several samples).
 """
 

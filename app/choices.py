@@ -27,9 +27,9 @@ from app.admission.overload import OverloadGuard
 from app.errors import InternalServerError, ReplicaLostError
 from app.prepared import PreparedRequest
 from app.protocol import choice_sampling_params
-from decode.protocol import GenerationSpec
 from decode.serve_calls import new_call_id
 from engine.outputs import RequestFailedError
+from replica.protocol import GenerationSpec
 
 logger = logging.getLogger(__name__)
 

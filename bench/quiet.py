@@ -76,7 +76,7 @@ def pin_pools(args: Mapping[str, Any], cores: Sequence[int]) -> dict[str, Any]:
 def pin_bench(replica_cores: Sequence[int]) -> list[int] | None:
     """Pin this process to the cores not in `replica_cores`; returns them, or None (and
     changes nothing) when the replica cores are all the host has."""
-    from engine.replica import pin_to_cores
+    from replica.engine_replica import pin_to_cores
 
     rest = sorted(set(range(os.cpu_count() or 1)) - set(replica_cores))
     if not rest:

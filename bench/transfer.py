@@ -166,8 +166,8 @@ def _compute(seconds: float) -> None:
 
 
 def _checksums(cache: KVCache, block_ids: list[int]) -> list[int]:
-    from engine.kernels.rowcopy import block_rows
     from kvtransfer.payload import layer_crc
+    from kvtransfer.rowcopy import block_rows
 
     ids = np.asarray(block_ids, dtype=np.int64)
     return [

@@ -25,14 +25,13 @@ from typing import Any, Protocol, TypeVar
 
 from decode.breaker import BreakerBoard, PrefillPlan, PrefillPlanner
 from decode.placement import placements, pool_view
-from decode.protocol import GenerationSpec
 from decode.reservations import Reservation, ReservationTable
 from decode.serve_calls import new_call_id
-from decode.trace import GenerationTrace
 from engine.async_engine import EngineDeadError
-from engine.replica import EngineReplica
 from kvtransfer import KVTransferError, Receiver, Ticket, TransferState
-from prefill.protocol import PrefillRequest, PrefillResult
+from replica.engine_replica import EngineReplica
+from replica.generation_trace import GenerationTrace
+from replica.protocol import GenerationSpec, PrefillRequest, PrefillResult
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 (decode-as-orchestrator); remote-prefill attempts are `decode/remote_prefill.py`'s.
 
 A request's life here (one streaming `generate` call from the ingress), once it holds one
-of the replica's stream slots (`decode/admission.py`: waiters admitted by priority):
+of the replica's stream slots (`replica/slot_gate.py`: waiters admitted by priority):
 
     local prefill (short prompt, colocated, or no KV room now):
         queued in the engine ──prefill + decode──▶ deltas streamed
@@ -31,7 +31,6 @@ from functools import partial
 from typing import Any, cast
 
 from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlanner
-from decode.protocol import GenerationSpec
 from decode.remote_prefill import (
     FENCE_MARGIN_S,
     MAX_REMOTE_ATTEMPTS,
@@ -42,19 +41,20 @@ from decode.remote_prefill import (
     transfer_id,
 )
 from decode.reservations import ReservationTable
-from decode.streams import Streams
-from decode.trace import GenerationTrace
 from decode.warm_up import PrefillWarmer
 from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
-from engine.replica import EngineReplica, ObserverFactory, PrefillRate, model_id_for
-from engine.signals import decode_signals
 from engine.tp_kv import allocate_for_engine
 from kvtransfer import Receiver, TransferOptions
 from kvtransfer import create_receiver as create_kv_receiver
+from replica.engine_replica import EngineReplica, ObserverFactory, model_id_for
+from replica.generation_trace import GenerationTrace
+from replica.protocol import GenerationSpec
+from replica.signals import decode_signals
+from replica.streams import Streams
 
 
 def _network_endpoint(backend: str, endpoint: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,7 +139,6 @@ class DecodeServer:
                 transfer_options.fence_timeout_s + FENCE_MARGIN_S,
             )
             self.warmer = PrefillWarmer(self.prefill_pools, self.receiver.endpoint, known_replicas)
-        self._local_prefill = PrefillRate()  # for adaptive disaggregation (event loop only)
         self.replica.observers.extend(make(self.stats) for make in observers)
 
     # ---- the request -----------------------------------------------------------------
@@ -157,12 +156,7 @@ class DecodeServer:
         timeline.local_request = request
         if spec.prefill_pool is None or self.remote is None:
             self.replica.counters["local_prefill"] += 1
-            submitted = time.perf_counter()
-            async for delta in self.loop.generate(request):
-                if delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids):
-                    # The first token: the prompt was computed (after any queueing) by now.
-                    computed = len(request.prompt_token_ids) - delta.num_cached_tokens
-                    self._local_prefill.add(computed, time.perf_counter() - submitted)
+            async for delta in self.replica.generate_whole(request):
                 yield delta
             return
         rid = spec.request_id
@@ -207,13 +201,13 @@ class DecodeServer:
             self.warmer.tick()
         return {
             **await self.replica.routing_stats(),
-            "prefill_tokens_per_s": self._local_prefill.tokens_per_s(),
+            "prefill_tokens_per_s": self.replica.local_prefill.tokens_per_s(),
             "prefill_breakers": self.planner.blocked_pools(),
             "admission": self.streams.admission.snapshot(),
         }
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
+        """Ray Serve polls this for the pool's autoscaling policy (`replica/signals.py`
         names the signals). Never blocks the event loop."""
         return decode_signals(self.loop.occupancy, self.streams.itl_ms)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from decode.serve_calls import new_call_id
-from prefill.protocol import WarmRequest
+from replica.protocol import WarmRequest
 
 logger = logging.getLogger(__name__)
 

@@ -244,8 +244,8 @@ class RequestSpec:
     """One request as every stage describes it: validated, tokenized, with its params.
 
     Each stage extends it with only what it adds: the ingress (`app.prepared.PreparedRequest`:
-    route, service class, deadline, choices), the decode call (`decode.protocol.GenerationSpec`:
-    prefill pool, time left) and the prefill call (`prefill.protocol.PrefillRequest`: replica
+    route, service class, deadline, choices), the decode call (`replica.protocol.GenerationSpec`:
+    prefill pool, time left) and the prefill call (`replica.protocol.PrefillRequest`: replica
     hints). `derive` builds the next stage's description from the previous one.
     """
 

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from engine.kernels.rowcopy import matched_runs
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer.base import BackendUnavailableError, ProtocolError
 from kvtransfer.datapath import LayerItem, Writing
 from kvtransfer.nccl import layer_computed, require_cuda, resolve_device
 from kvtransfer.payload import check_crc, crc32
+from kvtransfer.rowcopy import matched_runs
 from kvtransfer.shm import PeerProcess, UnixLanding, checked_ids, unix_connect
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header

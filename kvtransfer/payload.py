@@ -10,9 +10,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from engine.kernels.rowcopy import as_id_array, contiguous_runs
 from engine.kv_cache import KVCache
 from kvtransfer.base import ChecksumMismatchError
+from kvtransfer.rowcopy import as_id_array, contiguous_runs
 
 
 def cache_rows(kv_cache: KVCache) -> np.ndarray:

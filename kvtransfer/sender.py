@@ -26,7 +26,6 @@ from concurrent.futures import Future, InvalidStateError
 
 import torch
 
-from engine.kernels.rowcopy import as_id_array
 from engine.kv_cache import KVCacheSpec
 from kvtransfer import auth
 from kvtransfer.base import (
@@ -48,6 +47,7 @@ from kvtransfer.base import (
 )
 from kvtransfer.datapath import ABORT_ITEM, FINISH_ITEM, LayerItem, Writing
 from kvtransfer.endpoint import Endpoint
+from kvtransfer.rowcopy import as_id_array
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, FrameSocket, Header, Kind
 

@@ -3,7 +3,7 @@
 The receiver creates its cache in a POSIX shared-memory segment (`/dev/shm/pdkv-*`, unlinked
 at close, by its resource tracker if it dies, or by the next receiver's sweep of dead
 owners). The sender maps it (`map_segment`: never creates one) and copies each layer's blocks
-there (`engine.kernels.rowcopy`: one native call with streaming stores for large transfers).
+there (`kvtransfer.rowcopy`: one native call with streaming stores for large transfers).
 Control frames, without payload, go over an abstract Unix socket. As the sender writes our
 memory itself, an ended transfer's blocks stay fenced until its ABORT_ACK or the connection
 drops, and past the fence timeout quarantined until the ABORT_ACK or until its process
@@ -27,12 +27,11 @@ from stat import S_ISREG
 import numpy as np
 import torch
 
-from engine.kernels import rowcopy
-from engine.kernels.rowcopy import CopyPlan, as_id_array, block_rows
 from engine.kv_cache import KVCache, KVCacheSpec
-from kvtransfer import base
+from kvtransfer import base, rowcopy
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
+from kvtransfer.rowcopy import CopyPlan, as_id_array, block_rows
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from engine.kernels.rowcopy import block_rows
 from engine.kv_cache import KVCache
 from kvtransfer.datapath import Landing, LayerItem, Writing
 from kvtransfer.payload import cache_rows, check_crc, crc32, layer_views, record_runs
+from kvtransfer.rowcopy import block_rows
 from kvtransfer.table import TransferRecord
 from kvtransfer.wire import Connection, Header
 

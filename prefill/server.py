@@ -11,7 +11,7 @@ The source blocks are freed by the sender's `release` callback in every terminal
 
 A replica of a pool with `serves_decode` also serves whole requests (`generate`, called by
 the ingress's decode overflow while the decode pool is busier): prompt and decode on this
-engine, no KV transfer, admitted and traced as on a decode replica (`decode/streams.py`).
+engine, no KV transfer, admitted and traced as on a decode replica (`replica/streams.py`).
 """
 
 from __future__ import annotations
@@ -24,23 +24,22 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
-from decode.protocol import GenerationSpec
-from decode.streams import Streams
-from decode.trace import GenerationTrace
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
-from engine.replica import EngineReplica, ObserverFactory
 from engine.scheduler import SchedulerOutput
-from engine.signals import (
+from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
+from kvtransfer import create_sender as create_kv_sender
+from prefill.trace import PrefillTrace
+from replica.engine_replica import EngineReplica, ObserverFactory
+from replica.generation_trace import GenerationTrace
+from replica.protocol import GenerationSpec, PrefillRequest, PrefillResult, WarmRequest
+from replica.signals import (
     SIGNAL_WINDOW_S,
     RecentSamples,
     prefill_signals,
     prompt_tokens_per_s,
 )
-from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
-from kvtransfer import create_sender as create_kv_sender
-from prefill.protocol import PrefillRequest, PrefillResult, WarmRequest
-from prefill.trace import PrefillTrace
+from replica.streams import Streams
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +192,7 @@ class PrefillServer:
         request = self.replica.make_request(spec)
         timeline.local_request = request
         self.replica.counters["whole_requests"] += 1
-        async for delta in self.replica.loop.generate(request):
+        async for delta in self.replica.generate_whole(request):
             yield delta
 
     def _layer_hook_for(self, output: SchedulerOutput):  # noqa: ANN202 - LayerHook | None
@@ -259,7 +258,7 @@ class PrefillServer:
         return routing
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve polls this for the pool's autoscaling policy (`engine/signals.py`
+        """Ray Serve polls this for the pool's autoscaling policy (`replica/signals.py`
         names the signals). Never blocks the event loop."""
         window_start = time.perf_counter() - SIGNAL_WINDOW_S
         rate = prompt_tokens_per_s(self.engine.prompt_steps.copy(), window_start)

@@ -14,14 +14,13 @@ import time
 from dataclasses import dataclass
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Span, Status, StatusCode
 
 from engine.request import Request
-from prefill.protocol import PrefillRequest
+from replica.protocol import PrefillRequest
+from replica.spans import RequestSpan
 
 _tracer = trace.get_tracer("pdserve.prefill")
-_propagator = TraceContextTextMapPropagator()
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,22 +37,21 @@ class PrefillTrace:
     `layer_sent`)."""
 
     def __init__(self, spec: PrefillRequest, replica: str, num_bytes: int) -> None:
-        self._start_ns = time.time_ns()
-        self._start = time.monotonic()
         self._num_bytes = num_bytes
         self._sampled: float | None = None
-        self.span: Span = _tracer.start_span(
+        self._timeline = RequestSpan(
+            _tracer,
             "prefill",
-            context=_propagator.extract(spec.trace_context),
-            kind=SpanKind.SERVER,
-            start_time=self._start_ns,
-            attributes={
+            spec.trace_context,
+            {
                 "pdserve.request_id": spec.request_id,
                 "pdserve.replica": replica,
                 "pdserve.num_prompt_tokens": len(spec.prompt_token_ids),
                 "pdserve.tenant": spec.tenant,
             },
         )
+        self._start = self._timeline.start
+        self.span: Span = self._timeline.span
         # Appended by the engine thread (list.append is atomic); None: nobody records.
         self.layer_sent_ns: list[int] | None = [] if self.span.is_recording() else None
 
@@ -88,19 +86,15 @@ class PrefillTrace:
         return phases
 
     def _ns(self, monotonic: float) -> int:
-        return self._start_ns + int((monotonic - self._start) * 1e9)
+        return self._timeline.ns(monotonic)
 
     def _record(
         self, scheduled: float, sampled: float, end: float, state: str, num_cached: int
     ) -> None:
         parent = trace.set_span_in_context(self.span)
         self.span.set_attribute("pdserve.num_cached_tokens", num_cached)
-        for name, begin, finish in (
-            ("prefill.queue", self._start, scheduled),
-            ("prefill.compute", scheduled, sampled),
-        ):
-            child = _tracer.start_span(name, context=parent, start_time=self._ns(begin))
-            child.end(end_time=self._ns(finish))
+        self._timeline.child("prefill.queue", self._start, scheduled)
+        self._timeline.child("prefill.compute", scheduled, sampled)
         layers = list(self.layer_sent_ns or ())
         for index, at in enumerate(layers):
             self.span.add_event("layer_sent", {"layer": index}, timestamp=at)

@@ -16,7 +16,7 @@ shed first and at the lowest load. A shed request gets 503 `overloaded` with a R
 the predicted drain time.
 
 The decode pool adds its admission wait: a decode replica holds `max_active` streams and
-admits waiters most important first (`decode/admission.py`); it reports `num_active`,
+admits waiters most important first (`replica/slot_gate.py`); it reports `num_active`,
 `num_waiting_by_priority` and `releases_per_s` (slots freed per second lately) under
 `admission`. With `a` waiters at or above the request's priority and `f` free slots, the
 request waits nothing when `a < f`, else `(a - f + 1) / releases_per_s` (`DecodeSlots`);

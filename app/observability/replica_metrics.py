@@ -2,7 +2,7 @@
 
 `ReplicaMetricsFactory` is bound into each pool deployment by `build_app` (it pickles by
 value: a frozen dataclass). The server calls it with its `stats` once built; the resulting
-`ReplicaMetrics` (an `engine.replica.ReplicaObserver`) then
+`ReplicaMetrics` (an `replica.engine_replica.ReplicaObserver`) then
 
 - every `interval_s`, on its own thread, reads the replica's stats snapshot (which never
   waits on the engine) and sets the gauges (KV blocks, queues, prefix-cache hit rate, cost)

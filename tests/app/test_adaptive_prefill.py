@@ -17,12 +17,12 @@ from app.admission.shedding import ReplicaLoad
 from app.config import AdaptivePrefillSettings, PDServeConfig, load_config
 from app.router import RouteDecision
 from decode.placement import PoolView
-from decode.protocol import GenerationSpec
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
-from engine.replica import PrefillRate
 from engine.request import SamplingParams
+from replica.engine_replica import PrefillRate
+from replica.protocol import GenerationSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 P = 400  # prompt tokens of the request being placed

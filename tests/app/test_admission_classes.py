@@ -15,10 +15,10 @@ from app.config import load_config
 from app.config_sections import TenantConfig
 from app.errors import BadRequestError, PermissionDeniedError
 from app.frontend import Frontend
-from decode.protocol import GenerationSpec
 from engine.builtin import write_builtin_model
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
+from replica.protocol import GenerationSpec
 
 # ---- resolution ---------------------------------------------------------------------------
 

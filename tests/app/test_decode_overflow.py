@@ -19,14 +19,14 @@ from app.admission.overflow import DecodeOverflow, OverflowChoice, choose_overfl
 from app.config import PDServeConfig
 from app.router import RouteDecision
 from decode.placement import PoolView
-from decode.protocol import GenerationSpec
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.loader import load_model_config
 from engine.request import SamplingParams
-from engine.signals import MIN_BUSY_SPAN_S, SIGNAL_WINDOW_S
 from prefill.server import PrefillServer
+from replica.protocol import GenerationSpec
+from replica.signals import MIN_BUSY_SPAN_S, SIGNAL_WINDOW_S
 
 SETTLE_TIMEOUT_S = 10.0
 

@@ -20,10 +20,10 @@ from app.builders import ChatBuilder, CompletionBuilder
 from app.config import load_config
 from app.frontend import Frontend
 from app.responses import sse_event
-from decode.protocol import GenerationSpec
 from engine.builtin import write_builtin_model
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
+from replica.protocol import GenerationSpec
 
 TEXTS = ["", "Hello", ' "quoted" \\ back\\slash', "tab\tnew\nline\x01\x7f", "é ü 中文 \u2028 🙂"]
 

@@ -17,10 +17,10 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from app.config import load_config
 from app.errors import BadRequestError, InternalServerError, ReplicaLostError, error_response
 from app.frontend import Frontend
-from decode.protocol import GenerationSpec
 from engine.builtin import write_builtin_model
 from engine.outputs import RequestFailedError, RequestOutput
 from engine.request import InvalidRequestError, SamplingParams
+from replica.protocol import GenerationSpec
 
 
 class _Stream:

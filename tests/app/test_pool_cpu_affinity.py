@@ -51,7 +51,7 @@ def test_bad_core_lists_are_refused_clearly(affinity: Any, message: str) -> None
 # afterwards; prints every thread's allowed cores.
 _PROBE = """
 import json, os, sys, threading
-from engine.replica import pin_to_cores
+from replica.engine_replica import pin_to_cores
 
 stop = threading.Event()
 early = threading.Thread(target=stop.wait)

@@ -19,9 +19,8 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
 from app.replica_router import InFlight, KVAwareRouter, call_cost, replica_load
-from decode.protocol import GenerationSpec
 from engine.request import SamplingParams
-from prefill.protocol import PrefillRequest
+from replica.protocol import GenerationSpec, PrefillRequest
 
 _ids = itertools.count()
 

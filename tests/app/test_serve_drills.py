@@ -437,9 +437,9 @@ def hello_body(server: Server) -> dict[str, Any]:
     from engine.builtin import resolve_model_dir
     from engine.kv_cache import KVCacheSpec
     from engine.loader import load_model_config
-    from engine.replica import model_id_for
     from kvtransfer.base import KVLayout
     from kvtransfer.wire import PROTOCOL_VERSION
+    from replica.engine_replica import model_id_for
 
     engine_config = load_config(server.args).model.to_engine_config()
     model_dir = str(resolve_model_dir(engine_config.model_dir))

@@ -14,12 +14,12 @@ import ray
 from pydantic import ValidationError
 
 from app.config import PDServeConfig
-from decode.protocol import GenerationSpec
 from decode.server import DecodeServer
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
 from prefill.server import PrefillServer
+from replica.protocol import GenerationSpec
 from tests.decode.test_server import InProcessHandle
 
 if TYPE_CHECKING:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode.protocol import GenerationSpec
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
@@ -25,6 +24,7 @@ from engine.outputs import RequestFailedError
 from engine.request import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from prefill.server import PrefillServer
+from replica.protocol import GenerationSpec
 from tests.decode.test_server import InProcessHandle, collect, wait_all_free
 
 PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "tiny", "x" * 70]

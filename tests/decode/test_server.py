@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from decode.protocol import GenerationSpec
 from decode.reservations import Reservation
 from decode.server import DecodeServer
 from decode.warm_up import RETRY_AFTER_S, PrefillWarmer
@@ -30,8 +29,8 @@ from kvtransfer import (
     UnknownTransferError,
     create_sender,
 )
-from prefill.protocol import WarmRequest
 from prefill.server import PrefillServer
+from replica.protocol import GenerationSpec, WarmRequest
 
 PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "tiny", "x" * 70]
 

@@ -11,8 +11,8 @@ import pytest
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
-from engine.signals import DECODE_SIGNALS, PREFILL_SIGNALS
 from prefill.server import PrefillServer
+from replica.signals import DECODE_SIGNALS, PREFILL_SIGNALS
 from tests.decode.test_server import PROMPTS, InProcessHandle, collect, spec_for, wait_all_free
 
 

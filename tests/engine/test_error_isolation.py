@@ -22,9 +22,9 @@ from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.outputs import CompletionOutput, RequestFailedError, RequestOutput
-from engine.replica import EngineReplica
 from engine.request import InvalidRequestError, Request, SamplingParams
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch
+from replica.engine_replica import EngineReplica
 from tests.engine.hf_reference import hf_greedy
 
 PROMPTS = [

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from decode.protocol import GenerationSpec
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import CacheConfig, EngineConfig
@@ -18,6 +17,7 @@ from engine.kv_cache import KVCacheSpec
 from engine.loader import load_model_config
 from engine.request import SamplingParams
 from prefill.server import PrefillServer
+from replica.protocol import GenerationSpec
 
 PROMPTS = ["a prompt long enough to span a few blocks of the paged KV cache", "tiny", "x" * 70]
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

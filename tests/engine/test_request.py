@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from decode.protocol import GenerationSpec
 from engine.request import (
     ContextOverflowError,
     InvalidRequestError,
@@ -15,7 +14,7 @@ from engine.request import (
     SamplingParams,
     check_prompt,
 )
-from prefill.protocol import PrefillRequest
+from replica.protocol import GenerationSpec, PrefillRequest
 
 PARAMS = SamplingParams(max_tokens=4, stop_token_ids=(7,))
 

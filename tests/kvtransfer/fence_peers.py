@@ -17,11 +17,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 from kvt_peers import source_cache
 
-from engine.kernels.rowcopy import block_rows
 from engine.kv_cache import KVCacheSpec
 from kvtransfer import TransferOptions
 from kvtransfer.base import Ticket
 from kvtransfer.datapath import LayerItem
+from kvtransfer.rowcopy import block_rows
 from kvtransfer.sender import Sender
 from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord

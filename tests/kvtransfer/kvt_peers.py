@@ -24,7 +24,6 @@ from multiprocessing.process import BaseProcess
 import numpy as np
 import torch
 
-from engine.kernels.rowcopy import block_rows
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import (
     KVTransferError,
@@ -36,6 +35,7 @@ from kvtransfer import (
 from kvtransfer.base import Ticket
 from kvtransfer.datapath import LayerItem
 from kvtransfer.payload import layer_crc
+from kvtransfer.rowcopy import block_rows
 from kvtransfer.sender import Sender
 from kvtransfer.shm import ShmWriting
 from kvtransfer.table import TransferRecord

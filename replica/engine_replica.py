@@ -1,4 +1,5 @@
-"""What both pools' servers share: an engine on its own thread, plus stats for routing.
+"""What both pools' servers share: an engine on its own thread, stats for routing, and the
+whole-request local path (prompt and decode on this replica, no KV transfer).
 
 Prefill and decode servers are plain classes (Ray Serve wraps them in `app/`), so they are
 constructible and testable without Ray.
@@ -14,15 +15,16 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestSpec
-from engine.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
+from replica.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
 # the engine thread is stuck: the replica reports unhealthy and Serve replaces it.
@@ -126,6 +128,8 @@ class EngineReplica:
         self.counters: Counter[str] = Counter()
         self.observers: list[ReplicaObserver] = []
         self.started_at = time.time()
+        # Prompts this replica computed for whole requests, queueing included (event loop).
+        self.local_prefill = PrefillRate()
         self._num_routing_reports = 0
 
     @property
@@ -187,6 +191,18 @@ class EngineReplica:
             priority=spec.priority,
             prefill_only=prefill_only,
         )
+
+    async def generate_whole(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Serve `request` whole on this engine: its prompt is computed here, then decoded;
+        no KV transfer. Each prompt's rate (tokens computed over submit-to-first-token)
+        feeds `local_prefill`, from which the ingress weighs a local prefill's cost."""
+        submitted = time.perf_counter()
+        async for delta in self.loop.generate(request):
+            if delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids):
+                # The first token: the prompt was computed (after any queueing) by now.
+                computed = len(request.prompt_token_ids) - delta.num_cached_tokens
+                self.local_prefill.add(computed, time.perf_counter() - submitted)
+            yield delta
 
     def check_health(self) -> None:
         """Raise unless the engine loop is alive and not stuck, and every tensor-parallel

@@ -1,4 +1,4 @@
-"""Row copies (`engine.kernels.rowcopy`): copy plans, the streaming-copy helper and its
+"""Row copies (`kvtransfer.rowcopy`): copy plans, the streaming-copy helper and its
 trust checks, and the layer checksum of `kvtransfer.payload`."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kernels import rowcopy
-from engine.kernels.rowcopy import CopyPlan, block_rows, contiguous_runs, matched_runs
+from kvtransfer import rowcopy
 from kvtransfer.payload import layer_crc
+from kvtransfer.rowcopy import CopyPlan, block_rows, contiguous_runs, matched_runs
 
 
 def copy_rows(src: np.ndarray, dst: np.ndarray, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
@@ -148,7 +148,7 @@ def test_ntcopy_refuses_a_tampered_or_writable_library(
         rowcopy._library.cache_clear()
         return rowcopy.available()
 
-    caplog.set_level(logging.WARNING, logger="engine.kernels.rowcopy")
+    caplog.set_level(logging.WARNING, logger="kvtransfer.rowcopy")
     os.chmod(path, 0o722)  # group/world writable
     assert not loads() and "writable by others" in caplog.text
     os.chmod(path, 0o700)

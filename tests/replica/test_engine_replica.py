@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 
 from engine.config import EngineConfig
-from engine.replica import EngineReplica
+from replica.engine_replica import EngineReplica
 from tests.engine.processes import EXIT_TIMEOUT_S, gone, wait_gone
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.signals import (
+from replica.signals import (
     RecentSamples,
     busy_share,
     decode_signals,

@@ -3,7 +3,7 @@
 Every replica that serves whole requests wraps its deltas in `Streams.serve`: the decode
 replica (`decode/server.py`) and a prefill replica of a pool with `serves_decode`
 (`prefill/server.py`, which takes whole requests while the decode pool is busier). A stream
-first holds one of the replica's `max_num_seqs` slots (`decode/admission.py`: waiters
+first holds one of the replica's `max_num_seqs` slots (`replica/slot_gate.py`: waiters
 admitted by priority, within the request's deadline), then its deltas flow through its
 `GenerationTrace` (spans, TTFT breakdown); the gaps between tokens feed the replica's ITL
 signal. Event loop only.
@@ -15,11 +15,11 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
-from decode.admission import SlotGate
-from decode.protocol import GenerationSpec
-from decode.trace import GenerationTrace
 from engine.outputs import RequestOutput
-from engine.signals import RecentSamples
+from replica.generation_trace import GenerationTrace
+from replica.protocol import GenerationSpec
+from replica.signals import RecentSamples
+from replica.slot_gate import SlotGate
 
 MAX_ADMISSION_WAIT_S = 600.0  # for a slot, when the request has no deadline of its own
 ADMISSION_MARGIN_S = 1.0  # past the request's deadline: the ingress's 504 comes first

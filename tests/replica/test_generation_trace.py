@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from decode.protocol import GenerationSpec
-from decode.trace import GenerationTrace
 from engine.outputs import RequestOutput
 from engine.request import Request, SamplingParams
-from prefill.protocol import PrefillResult
+from replica.generation_trace import GenerationTrace
+from replica.protocol import GenerationSpec, PrefillResult
 
 
 class Clock:

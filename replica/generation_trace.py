@@ -1,4 +1,5 @@
-"""One `generate` call's timeline on a decode replica: the TTFT breakdown and its spans.
+"""One `generate` call's timeline: the TTFT breakdown and its spans (on a decode replica, or
+a prefill replica serving whole requests).
 
 The call's span (`decode.generate`) continues the ingress's trace from the spec's W3C
 carrier. Remote prefill adds `decode.reserve` (waiting for KV room), `decode.prefill_call`
@@ -19,15 +20,13 @@ from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from decode.protocol import GenerationSpec
 from engine.outputs import RequestOutput, TTFTBreakdown
 from engine.request import Request
-from prefill.protocol import PrefillResult
+from replica.protocol import GenerationSpec, PrefillResult
+from replica.spans import RequestSpan, propagator
 
 _tracer = trace.get_tracer("pdserve.decode")
-_propagator = TraceContextTextMapPropagator()
 
 
 class GenerationTrace:
@@ -42,14 +41,11 @@ class GenerationTrace:
     ) -> None:
         """`clock` must read `time.monotonic`'s clock (as `first_scheduled_time` does)."""
         self._clock = clock
-        self._start_ns = time.time_ns()
-        self._start = clock()
-        self.span: Span = _tracer.start_span(
+        self._timeline = RequestSpan(
+            _tracer,
             "decode.generate",
-            context=_propagator.extract(spec.trace_context),
-            kind=SpanKind.SERVER,
-            start_time=self._start_ns,
-            attributes={
+            spec.trace_context,
+            {
                 "pdserve.request_id": spec.request_id,
                 "pdserve.pool": pool,
                 "pdserve.replica": replica,
@@ -57,7 +53,10 @@ class GenerationTrace:
                 "pdserve.num_prompt_tokens": len(spec.prompt_token_ids),
                 "pdserve.prefill_pool": spec.prefill_pool or "",
             },
+            clock,
         )
+        self._start = self._timeline.start
+        self.span: Span = self._timeline.span
         self.local_request: Request | None = None  # set when this replica prefills
         self.carrier: dict[str, str] = {}  # the current prefill call's trace context
         self._reserve_start: float | None = None
@@ -69,17 +68,8 @@ class GenerationTrace:
         self._first: TTFTBreakdown | None = None
         self._num_output_tokens = 0
 
-    def _ns(self, monotonic: float) -> int:
-        return self._start_ns + int((monotonic - self._start) * 1e9)
-
     def _child(self, name: str, begin: float, end: float, **attributes: object) -> None:
-        span = _tracer.start_span(
-            name,
-            context=trace.set_span_in_context(self.span),
-            start_time=self._ns(begin),
-            attributes={k: v for k, v in attributes.items() if isinstance(v, str | int)},
-        )
-        span.end(end_time=self._ns(end))
+        self._timeline.child(name, begin, end, **attributes)
 
     # ---- remote prefill --------------------------------------------------------------
 
@@ -107,7 +97,7 @@ class GenerationTrace:
             attributes={"pdserve.transfer_id": transfer_id, "pdserve.prefill_pool": pool},
         )
         self.carrier = {}
-        _propagator.inject(self.carrier, context=trace.set_span_in_context(self._call))
+        propagator.inject(self.carrier, context=trace.set_span_in_context(self._call))
         return self.carrier
 
     def prefill_call_ended(self, result: PrefillResult | None, replica: str | None) -> None:

@@ -1,4 +1,4 @@
-"""Decode admission (`decode/admission.py`): slots handed out most important first."""
+"""Decode admission (`replica/slot_gate.py`): slots handed out most important first."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from decode.admission import SlotGate
+from replica.slot_gate import SlotGate
 
 
 class Clock:
