@@ -27,7 +27,7 @@ from app.admission.overload import OverloadGuard
 from app.errors import InternalServerError, ReplicaLostError
 from app.prepared import PreparedRequest
 from app.protocol import choice_sampling_params
-from decode.serve_calls import new_call_id
+from app.serve.calls import new_call_id
 from engine.outputs import RequestFailedError
 from replica.protocol import GenerationSpec
 

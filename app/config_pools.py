@@ -21,7 +21,7 @@ _RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 class AutoscalingSettings(_Strict):
     """Serve autoscaling of one pool (replaces a fixed `num_replicas`).
 
-    `policy: slo` (default) scales the pool on its own signal (`app/autoscaling.py`):
+    `policy: slo` (default) scales the pool on its own signal (`app/serve/autoscaling.py`):
     prefill on predicted queue wait against `ttft_slo_ms`, decode on KV occupancy and ITL
     against `tpot_slo_ms`. `policy: ongoing_requests` is Serve's built-in policy.
     """
@@ -112,7 +112,7 @@ class AutoscalingSettings(_Strict):
         return self
 
     def policy_knobs(self) -> dict[str, float | None]:
-        """The knobs the SLO policies read (`app/autoscaling.py` `PolicyKnobs` fields)."""
+        """The knobs the SLO policies read (`app/serve/autoscaling.py` `PolicyKnobs` fields)."""
         return self.model_dump(
             exclude={
                 "min_replicas",
@@ -299,7 +299,7 @@ class PoolConfig(_Strict):
         return {**options, "num_replicas": self.num_replicas}
 
     def _autoscaling_config(self, settings: AutoscalingSettings) -> dict[str, Any]:
-        """Serve's `autoscaling_config` dict; the SLO policies live in `app/autoscaling.py`."""
+        """Serve's `autoscaling_config` dict; the SLO policies: `app/serve/autoscaling.py`."""
         config: dict[str, Any] = settings.model_dump(
             include={
                 "min_replicas",
@@ -314,7 +314,7 @@ class PoolConfig(_Strict):
         if settings.policy == "slo":
             policy = "PrefillPolicy" if self.role == "prefill" else "DecodePolicy"
             config["policy"] = {
-                "policy_function": f"app.autoscaling:{policy}",
+                "policy_function": f"app.serve.autoscaling:{policy}",
                 "policy_kwargs": settings.policy_knobs(),
             }
         return config

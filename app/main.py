@@ -21,6 +21,7 @@ from app.config import PDServeConfig, PoolConfig, load_config
 from app.ingress import Ingress
 from app.observability.replica_metrics import replica_metrics_factory
 from app.observability.tracing import check_exporter, configure_tracing
+from app.serve.calls import SERVE_CALLS
 from decode.server import DecodeServer
 from kvtransfer import TransferOptions
 from prefill.server import PrefillServer
@@ -37,7 +38,7 @@ DEFAULT_ARGS: dict[str, Any] = {
 }
 
 ROUTER_CONFIG = RequestRouterConfig(
-    request_router_class="app.replica_router:KVAwareRouter",  # type: ignore[arg-type]
+    request_router_class="app.serve.replica_router:KVAwareRouter",  # type: ignore[arg-type]
     request_routing_stats_period_s=1.0,  # type: ignore[arg-type]
     request_routing_stats_timeout_s=5.0,  # type: ignore[arg-type]
 )
@@ -131,6 +132,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
             telemetry=telemetry,
             cpu_affinity=pool.cpu_affinity,
             receiver_endpoint=receiver_endpoint,
+            calls=SERVE_CALLS,
         )
         for pool in config.pools_by_role("decode")
     }

@@ -1,6 +1,6 @@
 """What `pdserve bench autoscale` found: scaling decisions, replica changes, the verdict.
 
-The pools' policies log each decision once (`app.autoscaling.SCALING_EVENT`, then JSON with
+The pools' policies log each decision once (`app.serve.autoscaling.SCALING_EVENT`, then JSON with
 the pool, current and desired count, the driving `signal` and its metric values) on the Serve
 controller's log. Here those lines become events on the run's clock, each change of a pool's
 RUNNING replicas is paired with the decision that caused it (the pool's latest decision in
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.autoscaling import SCALING_EVENT
+from app.serve.autoscaling import SCALING_EVENT
 from bench.autoscale_load import Ramp, Record
 from bench.metrics import percentile
 

@@ -24,13 +24,13 @@ from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from decode.breaker import BreakerBoard, PrefillPlan, PrefillPlanner
-from decode.placement import placements, pool_view
 from decode.reservations import Reservation, ReservationTable
-from decode.serve_calls import new_call_id
 from engine.async_engine import EngineDeadError
 from kvtransfer import KVTransferError, Receiver, Ticket, TransferState
+from replica.calls import PoolCalls
 from replica.engine_replica import EngineReplica
 from replica.generation_trace import GenerationTrace
+from replica.placement import placements, pool_view
 from replica.protocol import GenerationSpec, PrefillRequest, PrefillResult
 
 logger = logging.getLogger(__name__)
@@ -87,9 +87,11 @@ class RemotePrefill:
         planner: PrefillPlanner,
         deadline_s: float,
         fence_allowance_s: float,
+        calls: PoolCalls = PoolCalls(),
     ) -> None:
         """`deadline_s`: the longest a ticket stays open; `fence_allowance_s`: how long after
-        its ticket's deadline a reservation's blocks may still be written (fenced)."""
+        its ticket's deadline a reservation's blocks may still be written (fenced); `calls`:
+        the serving framework's hooks for calls to the prefill pools."""
         self.replica = replica
         self.receiver = receiver
         self.reservations = reservations
@@ -98,6 +100,7 @@ class RemotePrefill:
         self.breakers: BreakerBoard = planner.board
         self.deadline_s = deadline_s
         self.fence_allowance_s = fence_allowance_s
+        self.calls = calls
 
     async def run(
         self, spec: GenerationSpec, deadline: float, timeline: GenerationTrace
@@ -229,7 +232,7 @@ class RemotePrefill:
         )
         response: Any = None
         try:
-            new_call_id()  # an earlier attempt may still be pending in the router
+            self.calls.new_call_id()  # an earlier attempt may still be pending in the router
             response = self.prefill_pools[pool].prefill.remote(prefill_request, ticket)
             # Bounded by the ticket's deadline: a prefill pool with no live replica must
             # not hang the request (Serve would queue the call indefinitely).
@@ -262,7 +265,7 @@ class RemotePrefill:
             logger.warning("remote prefill attempt %s on %s failed: %r", tid, replica, exc)
             counters["prefill_failures"] += 1
             counters[f"kv_transfer_failures:{ended.value}"] += 1
-            if _is_backpressure(exc):  # the pool's queue is full: not the replica's fault
+            if self.calls.is_backpressure(exc):  # the pool's queue is full: not the replica's fault
                 counters["prefill_backpressure"] += 1
                 self._decide(spec, f"pool {pool} queue full -> local prefill")
                 return None, None, False
@@ -277,12 +280,6 @@ class RemotePrefill:
             kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
             self._decide(spec, f"attempt {tid} {kind} on {replica or 'unknown replica'}")
             return None, replica, True
-
-
-def _is_backpressure(exc: BaseException) -> bool:
-    """Serve's `BackPressureError` (the handle's `max_queued_requests` is reached), by name:
-    nothing below `app/` imports Ray Serve."""
-    return any(type(e).__name__ == "BackPressureError" for e in (exc, exc.__cause__))
 
 
 async def _resolve(response: Any) -> Any:

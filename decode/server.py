@@ -50,6 +50,7 @@ from engine.outputs import RequestOutput
 from engine.tp_kv import allocate_for_engine
 from kvtransfer import Receiver, TransferOptions
 from kvtransfer import create_receiver as create_kv_receiver
+from replica.calls import PoolCalls
 from replica.engine_replica import EngineReplica, ObserverFactory, model_id_for
 from replica.generation_trace import GenerationTrace
 from replica.protocol import GenerationSpec
@@ -86,9 +87,12 @@ class DecodeServer:
         observers: Sequence[ObserverFactory] = (),
         telemetry: Callable[[str], object] | None = None,
         cpu_affinity: Sequence[int] | None = None,
+        calls: PoolCalls = PoolCalls(),
     ) -> None:
         """`telemetry(role)`, when given, sets up this process's tracing first (once);
-        `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`)."""
+        `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`);
+        `calls`: the serving framework's hooks for calls to the prefill pools (the app
+        passes Serve's, `app/serve/calls.py`)."""
         if telemetry is not None:
             telemetry(f"decode:{pool}")
         self.pool = pool
@@ -137,8 +141,14 @@ class DecodeServer:
                 self.planner,
                 deadline_s,
                 transfer_options.fence_timeout_s + FENCE_MARGIN_S,
+                calls,
             )
-            self.warmer = PrefillWarmer(self.prefill_pools, self.receiver.endpoint, known_replicas)
+            self.warmer = PrefillWarmer(
+                self.prefill_pools,
+                self.receiver.endpoint,
+                known_replicas,
+                new_call_id=calls.new_call_id,
+            )
         self.replica.observers.extend(make(self.stats) for make in observers)
 
     # ---- the request -----------------------------------------------------------------

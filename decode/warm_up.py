@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from decode.serve_calls import new_call_id
+from replica.calls import PoolCalls
 from replica.protocol import WarmRequest
 
 logger = logging.getLogger(__name__)
@@ -43,11 +43,13 @@ class PrefillWarmer:
         endpoint: str,
         replicas: Callable[[str], Collection[str] | None],
         clock: Callable[[], float] = time.monotonic,
+        new_call_id: Callable[[], None] = PoolCalls().new_call_id,
     ) -> None:
         """`pools`: prefill pool -> its handle (with a `warm` method); `endpoint`: this
         replica's KV receiver; `replicas(pool)`: the pool's replica names as the replica
-        router last saw them (None: not seen yet)."""
+        router last saw them (None: not seen yet); `new_call_id`: `PoolCalls.new_call_id`."""
         self._pools, self._endpoint, self._replicas, self._clock = pools, endpoint, replicas, clock
+        self._new_call_id = new_call_id
         self.warmed: set[tuple[str, str]] = set()  # (pool, replica)
         self._retry_at: dict[tuple[str, str | None], float] = {}
         self._round: asyncio.Task[None] | None = None
@@ -59,7 +61,7 @@ class PrefillWarmer:
         return self._round
 
     async def _warm_all(self) -> None:
-        new_call_id()  # this task's calls are its own, whatever context it was started in
+        self._new_call_id()  # this task's calls are its own, whatever context it was started in
         for pool, handle in self._pools.items():
             known = self._replicas(pool)
             targets: list[str | None] = [None]  # the pool at large, until its router saw it

@@ -37,7 +37,7 @@ class PrefillRequest(RequestSpec):
     `trace_context`: the decode span that made this call.
     """
 
-    # Read by the replica router (app/replica_router.py): replicas this call must not go to
+    # Read by the replica router (app/serve/replica_router.py): replicas this call must not go to
     # (their breaker is open, or they just failed this request), and a half-open replica
     # to probe with it. Names as in the replicas' routing stats (`replica`).
     exclude_replicas: tuple[str, ...] = ()

@@ -1,7 +1,7 @@
 """Recent-latency windows and the load signals a replica reports for autoscaling.
 
 Pure Python, no Ray: the servers record samples on their event loop and hand the dicts
-built here to Serve's `record_autoscaling_stats`; `app/autoscaling.py` reads them back by
+built here to Serve's `record_autoscaling_stats`; `app/serve/autoscaling.py` reads them back by
 the same names. Each pool's signal names are listed once, below.
 """
 
@@ -18,7 +18,7 @@ SIGNAL_WINDOW_S = 30.0
 MAX_SAMPLES = 4096
 # A latency window with fewer samples reports no latency (0.0): one request is no evidence
 # (after a quiet spell, or a fresh replica's first, cold request). The policies also ignore
-# a latency breach while the pool's load is low (`app/autoscaling.py`).
+# a latency breach while the pool's load is low (`app/serve/autoscaling.py`).
 MIN_SAMPLES = 2
 MIN_BUSY_SPAN_S = 1.0  # `busy_share` judges a younger replica over at least its first second
 

@@ -22,7 +22,7 @@ good. Prompts over `max_local_prompt_tokens` always go remote. Missing or stale 
 seen yet, load older than `max_age_s`, no measured rate) leaves the static rule's choice,
 and the reason says so.
 
-Both loads come from this process's replica routers (`decode.placement.pool_view`, kept
+Both loads come from this process's replica routers (`replica.placement.pool_view`, kept
 fresh by `app/admission/load_monitor.py`) and lag by up to a stats period: the prompt tokens
 this ingress replica sent each way since a pool's snapshot are added to that pool's queue,
 so a burst of requests does not all go one way before the next snapshot.
@@ -40,7 +40,7 @@ from typing import Any
 from app.admission.config import AdaptivePrefillSettings
 from app.admission.shedding import ReplicaLoad, predict_ttft_s
 from app.router import RouteDecision
-from decode.placement import PoolSnapshot, figure
+from replica.placement import PoolSnapshot, figure
 
 MAX_SENT_ENTRIES = 4096  # per pool; far above the requests of one stats period
 

@@ -11,7 +11,7 @@ never picks it. It steps in when the primary path would refuse a request as over
 - `TRIGGER_BREAKER`: every replica of its decode pool reports its prefill pool's circuit
   breaker open (`prefill_breakers` in their routing stats, `decode/breaker.py`), so the
   prompt would be prefilled on the decode replica instead (`breaker_open`, read in
-  `Frontend.prepare` from `decode.placement.pool_view`). A non-degradable request goes on
+  `Frontend.prepare` from `replica.placement.pool_view`). A non-degradable request goes on
   as before (prefilled locally by its decode replica): nothing is refused for this trigger.
 
 `FallbackPolicy.decide` then serves the request on the fallback pool when all of these hold,
@@ -37,14 +37,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.admission.overload import OverloadGuard
 from app.config import PDServeConfig
 from app.config_sections import ConfigError
 from app.router import RouteDecision
-from decode.placement import PoolSnapshot
+from app.serve import calls as serve_calls
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig
 from engine.loader import load_model_config, load_tokenizer
+from replica.placement import PoolSnapshot
 
 if TYPE_CHECKING:
     from app.prepared import PreparedRequest
@@ -202,7 +202,7 @@ def is_backpressure(error: BaseException) -> bool:
     """True for the 503 the frontend makes of Serve's `BackPressureError` (a pool's queue is
     full), which it raises from that error."""
     cause = error.__cause__
-    return cause is not None and OverloadGuard.backpressure(cause) is not None
+    return cause is not None and serve_calls.is_backpressure(cause)
 
 
 def breaker_open(

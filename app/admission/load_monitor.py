@@ -2,8 +2,8 @@
 disaggregation), started in the background.
 
 The load itself arrives without any call on the request path: this process's replica
-routers (`app/replica_router.py`) publish each pool's replicas and routing stats into
-`decode.placement.pool_view` whenever Serve pushes new stats. A router exists only once its
+routers (`app/serve/replica_router.py`) publish each pool's replicas and routing stats into
+`replica.placement.pool_view` whenever Serve pushes new stats. A router exists only once its
 handle has been used, and the ingress never calls the prefill pools on its own, so a
 background task here calls each pool's `record_routing_stats` (bounded by a timeout) until
 the pool has a view; after that Serve keeps it fresh. A pool that does not answer stays
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.admission.overload_config import SheddingSettings
-from decode.placement import PoolSnapshot, PoolView, pool_view
+from replica.placement import PoolSnapshot, PoolView, pool_view
 
 
 class PoolLoadMonitor:

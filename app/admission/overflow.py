@@ -39,7 +39,7 @@ Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a req
 asking for at most that many new tokens is placed as two colocated replicas would place it,
 whatever adaptive disaggregation chose: whole (no KV hand-off) on the decode pool, which
 prefills it locally, or on a prefill pool with `serves_decode`, ranked as colocated's
-replica router ranks two replicas (`app/replica_router.py`): fewest prompt tokens to
+replica router ranks two replicas (`app/serve/replica_router.py`): fewest prompt tokens to
 compute, then fewest requests in flight, ties taking turns. For a few tokens the hand-off
 (a second replica call, blocks reserved on the decode replica, the bytes) buys nothing,
 and the decode replica would decode every such request while the prefill replica only
@@ -53,7 +53,7 @@ is a candidate only for prompts up to `adaptive_prefill.max_local_prompt_tokens`
 recent loads the rules below decide.
 
 A candidate pool must cover the prompt's length (its context range) and be one the tenant may
-use. Loads come from this process's replica routers (`decode.placement.pool_view`) and lag by
+use. Loads come from this process's replica routers (`replica.placement.pool_view`) and lag by
 up to a stats period; the sequences this ingress replica sent to a pool since its snapshot
 are added to it, so a burst does not all go one way. A snapshot can also arrive after a
 request was sent yet have been measured before that request reached the replica: it then
@@ -77,7 +77,7 @@ from typing import Any
 from app.admission.adaptive import SentSince
 from app.config import PDServeConfig, PoolConfig
 from app.router import RouteDecision
-from decode.placement import PoolSnapshot, figure
+from replica.placement import PoolSnapshot, figure
 
 MAX_PROMPT_BUSY = 0.95  # keeps the load finite for a replica that only computed prompts
 

@@ -25,6 +25,7 @@ from app.admission.load_monitor import PoolLoadMonitor
 from app.admission.overload_config import OverloadSettings
 from app.admission.shedding import LoadShedder, ShedCheck, overloaded
 from app.errors import ServiceUnavailableError
+from app.serve.calls import is_backpressure
 
 _T = TypeVar("_T")
 BACKPRESSURE_RETRY_AFTER_S = 1.0
@@ -93,7 +94,7 @@ class OverloadGuard:
     @staticmethod
     def backpressure(exc: BaseException) -> ServiceUnavailableError | None:
         """Serve's `BackPressureError` as 503 `overloaded`; None for anything else."""
-        if type(exc).__name__ != "BackPressureError":
+        if not is_backpressure(exc):
             return None
         return ServiceUnavailableError(
             "the service is overloaded: a pool's request queue is full; retry later",

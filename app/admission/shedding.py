@@ -6,7 +6,7 @@ and `prefill_tokens_per_s` (measured; 0 until it has prefilled something) in its
 stats. The engine admits by priority, so only work at or above a request's priority is
 ahead of it: a batch flood does not make an interactive request look late;
 the replica routers of the ingress process see them as Serve pushes them
-(`decode.placement.pool_view`), so a check is a dictionary read: no call, no wait.
+(`replica.placement.pool_view`), so a check is a dictionary read: no call, no wait.
 
 The prediction for a prompt of P tokens on a pool is the best replica's
 `(queued_tokens + P) / prefill_tokens_per_s` (the replica router sends it to the least loaded
@@ -38,7 +38,7 @@ from typing import Any
 
 from app.admission.overload_config import SheddingSettings
 from app.errors import ServiceUnavailableError
-from decode.placement import PoolSnapshot, figure
+from replica.placement import PoolSnapshot, figure
 
 
 @dataclass(frozen=True, slots=True)

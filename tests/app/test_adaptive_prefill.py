@@ -16,12 +16,12 @@ from app.admission.adaptive import AdaptivePrefill, DecodeLoad, choose_prefill, 
 from app.admission.shedding import ReplicaLoad
 from app.config import AdaptivePrefillSettings, PDServeConfig, load_config
 from app.router import RouteDecision
-from decode.placement import PoolView
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from replica.engine_replica import PrefillRate
+from replica.placement import PoolView
 from replica.protocol import GenerationSpec
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -18,13 +18,13 @@ from app.admission.controller import decode_pool_blocks
 from app.admission.overflow import DecodeOverflow, OverflowChoice, choose_overflow
 from app.config import PDServeConfig
 from app.router import RouteDecision
-from decode.placement import PoolView
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.loader import load_model_config
 from engine.request import SamplingParams
 from prefill.server import PrefillServer
+from replica.placement import PoolView
 from replica.protocol import GenerationSpec
 from replica.signals import MIN_BUSY_SPAN_S, SIGNAL_WINDOW_S
 

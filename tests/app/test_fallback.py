@@ -3,7 +3,7 @@ and `Frontend.prepare` moving a degradable request to the fallback pool when it 
 its prefill pool's breaker is open on its decode pool (what decode replicas publish as
 `prefill_breakers`, from `decode/breaker.py`).
 
-Shedding is driven by real pool load in `decode.placement.pool_view` (what the replica
+Shedding is driven by real pool load in `replica.placement.pool_view` (what the replica
 routers publish), with the built-in tiny model as both the primary and the fallback model.
 """
 
@@ -35,10 +35,10 @@ from app.errors import ServiceUnavailableError
 from app.frontend import Frontend
 from app.router import RouteDecision, RouterPolicy
 from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlanner
-from decode.placement import PoolSnapshot, pool_view
 from engine.builtin import write_builtin_model
 from engine.loader import load_model_config
 from engine.request import SamplingParams
+from replica.placement import PoolSnapshot, pool_view
 
 FALLBACK = {"name": "degraded", "role": "decode", "fallback": True, "num_cpus": 0.5}
 

@@ -22,7 +22,7 @@ from app.admission.shedding import (
 )
 from app.config import load_config
 from app.errors import BadRequestError, DeadlineExceededError, error_response
-from decode.placement import PoolSnapshot
+from replica.placement import PoolSnapshot
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""A burst of streams spreads over a pool's replicas, in a real app (`app/replica_router.py`).
+"""A burst of streams spreads over a pool's replicas, in a real app (`app/serve/replica_router.py`).
 
 Two colocated replicas in one pool. One long stream runs first, long enough for the
 replicas' routing reports to show it; then a burst of streams arrives within a fraction of

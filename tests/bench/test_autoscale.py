@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from app.autoscaling import SCALING_EVENT
+from app.serve.autoscaling import SCALING_EVENT
 from bench.autoscale_load import Shape, arrival_times, request_body, stress_ramp
 from bench.autoscale_report import attribute, replica_changes, scaling_events, verdict
 

@@ -24,7 +24,7 @@ Remote-prefill calls carry hints (`PrefillRequest.exclude_replicas`, `probe_repl
 excluded replica (its circuit breaker is open, or it just failed this request) is never
 offered, and a half-open replica being probed is offered first. Requests are matched to
 the replica chosen for them exactly (no FIFO hand-over between requests), so an exclusion
-holds for the request that carries it. The router also records, in `decode.placement`,
+holds for the request that carries it. The router also records, in `replica.placement`,
 which replica each prefill call was sent to (at the send, so a replica that never answers,
 not even to accept, is still known) and every pool's replicas with their stats.
 """
@@ -43,7 +43,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 # The module, not its objects: Serve pickles this router module by value into every caller
 # process, and objects named here would travel as copies, not the process's shared ones.
-from decode import placement
+from replica import placement
 
 MAX_IN_FLIGHT = 100_000  # far above the calls one process has open; bounds a lost completion
 # How long a replica's reports may lag behind a call (the stats period, 1 s, and Serve's

@@ -1,7 +1,7 @@
 """What this process's replica routers saw: where each prefill call went, and each pool's
 replicas with their latest routing stats.
 
-The replica router (`app/replica_router.py`) runs inside the process that holds the
+The replica router (`app/serve/replica_router.py`) runs inside the process that holds the
 `DeploymentHandle`, on Serve's router thread. When it routes a call whose first argument
 has a `request_id` (a `PrefillRequest`), it records here which replica took it, so that the
 decode replica can charge a failed or timed-out attempt to the right replica (its circuit

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 import pytest
 from ray.serve.config import AutoscalingContext
 
-from app.autoscaling import (
+from app.config import AutoscalingSettings, PoolConfig
+from app.serve.autoscaling import (
     SCALING_EVENT,
     DecodePolicy,
     Demand,
@@ -23,7 +24,6 @@ from app.autoscaling import (
     per_replica,
     prefill_demand,
 )
-from app.config import AutoscalingSettings, PoolConfig
 
 KNOBS = PolicyKnobs(
     ttft_slo_ms=1000,
@@ -363,7 +363,7 @@ def test_pool_serve_options_name_the_policy_and_drain() -> None:
         name="p", role="prefill", autoscaling={"max_replicas": 3}, drain_timeout_s=300
     ).serve_options()
     config = prefill["autoscaling_config"]
-    assert config["policy"]["policy_function"] == "app.autoscaling:PrefillPolicy"
+    assert config["policy"]["policy_function"] == "app.serve.autoscaling:PrefillPolicy"
     assert PolicyKnobs(**config["policy"]["policy_kwargs"]) == PolicyKnobs()
     assert prefill["graceful_shutdown_timeout_s"] == 300
     decode = PoolConfig(name="d", role="decode", autoscaling={"max_replicas": 2}).serve_options()

@@ -1,4 +1,4 @@
-"""The replica router's choice within a pool (`app/replica_router.py`), on Serve's real
+"""The replica router's choice within a pool (`app/serve/replica_router.py`), on Serve's real
 `RequestRouter` with replicas that carry only what the router reads (name, id, stats).
 
 The stats a replica reports lag by up to a stats period, so the router counts the calls it
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
-from app.replica_router import InFlight, KVAwareRouter, call_cost, replica_load
+from app.serve.replica_router import InFlight, KVAwareRouter, call_cost, replica_load
 from engine.request import SamplingParams
 from replica.protocol import GenerationSpec, PrefillRequest
 
