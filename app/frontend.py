@@ -6,10 +6,10 @@ tenant's global quotas (`app/admission/controller.py`), then fan `n` choices out
 calls to a decode pool (`app/choices.py`) and merge their deltas (output tokens charged as
 they stream). A decode replica that dies under a request fails it with `ReplicaLostError`
 (503); a request the engine failed (and isolated) gets a 500 with code "request_failed".
-A degradable request may be moved to the fallback pool (`app/admission/fallback.py`) when
+A degradable request may be moved to the fallback pool (`app/routing/fallback.py`) when
 it would be shed, when its prefill pool's breaker is open on its decode pool, or when the
 decode pool's queue is full before its first token. What `prepare` hands to `run` is a
-`PreparedRequest` (`app/prepared.py`); routing decisions are kept by `app/routing_log.py`.
+`PreparedRequest` (`app/prepared.py`); routing decisions are kept by `app/routing/log.py`.
 No FastAPI here: `app/ingress.py` adds HTTP on top.
 """
 
@@ -28,19 +28,8 @@ from typing import Any, TypeVar
 
 from opentelemetry import trace
 
-from app.admission.adaptive import AdaptivePrefill
 from app.admission.classes import ClassResolver
 from app.admission.controller import Admission, decode_pool_blocks, tenant_quotas
-from app.admission.fallback import (
-    TRIGGER_BACKPRESSURE,
-    TRIGGER_BREAKER,
-    TRIGGER_SHED,
-    FallbackPolicy,
-    breaker_open,
-    fallback_model_config,
-    is_backpressure,
-)
-from app.admission.overflow import DecodeOverflow
 from app.admission.overload import OverloadGuard
 from app.choices import cancel_choices, pump_choice, ready_items
 from app.config import PDServeConfig
@@ -63,8 +52,20 @@ from app.observability.telemetry import IngressTelemetry, route_span
 from app.observability.tracing import carrier_for, child_span
 from app.prepared import PreparedRequest
 from app.prompts import PromptTokenizer
-from app.router import RouterPolicy
-from app.routing_log import RoutingLog
+from app.routing.adaptive import AdaptivePrefill
+from app.routing.fallback import (
+    TRIGGER_BACKPRESSURE,
+    TRIGGER_BREAKER,
+    TRIGGER_SHED,
+    FallbackPolicy,
+    breaker_open,
+    fallback_model_config,
+    is_backpressure,
+)
+from app.routing.log import RoutingLog
+from app.routing.overflow import DecodeOverflow
+from app.routing.placement import Placement
+from app.routing.pool_router import RouterPolicy
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestOutput
@@ -77,7 +78,7 @@ _T = TypeVar("_T")
 
 class Frontend:
     """Checks, routes and runs requests against the decode pools' handles (and those of
-    prefill pools that serve whole requests, `app/admission/overflow.py`)."""
+    prefill pools that serve whole requests, `app/routing/overflow.py`)."""
 
     def __init__(
         self,
@@ -99,6 +100,7 @@ class Frontend:
         self.adaptive = AdaptivePrefill(config.adaptive_prefill, self.overload.monitor.snapshot)
         # Prefill pools with `serves_decode` take whole requests while decode is busier.
         self.overflow = DecodeOverflow(config, self.overload.monitor.snapshot)
+        self.placement = Placement(self.policy, self.adaptive, self.overflow)
         if config.adaptive_prefill.enabled and prefill_handles:
             self.overload.monitor.watch({**decode_handles, **prefill_handles})
         self.classes = ClassResolver(config.admission, config.tenants)
@@ -200,26 +202,15 @@ class Frontend:
         started_ns = time.time_ns()
         tenant = self.policy.tenant_for_key(api_key)
         service_class = self.classes.resolve(tenant, slo_class)
-        try:
-            route = self.policy.route(len(prompt_token_ids), tenant)
-        except BadRequestError as exc:  # empty or too long
-            exc.param = exc.param or prompt_param
-            raise
-        self.check_params(params)
-        model = self.model_config
-        try:
-            check_prompt(prompt_token_ids, params, model.vocab_size, model.max_model_len)
-        except ContextOverflowError as exc:
-            raise ContextLengthExceededError(str(exc), param="max_tokens") from None
-        except InvalidRequestError as exc:
-            error = bad_request(exc)
-            error.param = error.param or (prompt_param if str(exc).startswith("prompt") else None)
-            raise error from None
-        # Adaptive disaggregation (`app/admission/adaptive.py`): after the checks (it counts
-        # the tokens it sends to a pool), before shedding, so a prompt the prefill pool would
-        # be late for is prefilled locally rather than refused.
-        route = self.adaptive.apply(route, len(prompt_token_ids), service_class.priority)
-        route = self.overflow.apply(route, len(prompt_token_ids), tenant, n, params.max_tokens)
+        route = self.placement.place(
+            len(prompt_token_ids),
+            tenant,
+            service_class.priority,
+            n,
+            params.max_tokens,
+            checks=lambda: self._check_prompt(prompt_token_ids, params, prompt_param),
+            prompt_param=prompt_param,
+        )
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)
@@ -259,6 +250,22 @@ class Frontend:
             self.metrics.shed(labels, "overloaded", 503)
             raise self.overload.shed_error(shed, route.reason)
         return prepared
+
+    def _check_prompt(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str
+    ) -> None:
+        """The sampling params within the service's limits, and prompt plus output within
+        the model (ids in the vocabulary, length within its context)."""
+        self.check_params(params)
+        model = self.model_config
+        try:
+            check_prompt(prompt_token_ids, params, model.vocab_size, model.max_model_len)
+        except ContextOverflowError as exc:
+            raise ContextLengthExceededError(str(exc), param="max_tokens") from None
+        except InvalidRequestError as exc:
+            error = bad_request(exc)
+            error.param = error.param or (prompt_param if str(exc).startswith("prompt") else None)
+            raise error from None
 
     def _around_open_breaker(self, prepared: PreparedRequest) -> PreparedRequest:
         """`prepared` moved to the fallback pool when its prefill pool's breaker is open on

@@ -29,7 +29,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.admission.classes import requested_class
 from app.admission.deadlines import requested_timeout
-from app.admission.fallback import FALLBACK_HEADER, MODEL_HEADER
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
@@ -47,6 +46,7 @@ from app.handle import GenerateChunk, GenerateRequest
 from app.observability.tracing import TracingMiddleware, configure_tracing
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
+from app.routing.fallback import FALLBACK_HEADER, MODEL_HEADER
 from engine.request import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)

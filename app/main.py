@@ -15,12 +15,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from app.admission.controller import tenant_quotas
-from app.admission.fallback import check_fallback_model
 from app.admission.quota_service import QUOTA_SERVICE_OPTIONS, QuotaService
 from app.config import PDServeConfig, PoolConfig, load_config
 from app.ingress import Ingress
 from app.observability.replica_metrics import replica_metrics_factory
 from app.observability.tracing import check_exporter, configure_tracing
+from app.routing.fallback import check_fallback_model
 from app.serve.calls import SERVE_CALLS
 from decode.server import DecodeServer
 from kvtransfer import TransferOptions

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from app.admission.classes import ServiceClass
 from app.admission.deadlines import Deadline
-from app.admission.fallback import Served
-from app.router import RouteDecision
+from app.routing.fallback import Served
+from app.routing.pool_router import RouteDecision
 from engine.request import RequestSpec
 
 
@@ -23,5 +23,5 @@ class PreparedRequest(RequestSpec):
     route: RouteDecision  # its priority is the service class's
     service_class: ServiceClass = ServiceClass("default", 0)
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
-    # Set when the fallback pool serves it (`app/admission/fallback.py`); shared by copies.
+    # Set when the fallback pool serves it (`app/routing/fallback.py`); shared by copies.
     served: Served = dataclasses.field(default_factory=Served)

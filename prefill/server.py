@@ -178,7 +178,7 @@ class PrefillServer:
 
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
         """Called by the ingress while the decode pool is busier than this pool (decode
-        overflow, `app/admission/overflow.py`): serve a whole request here, its prompt
+        overflow, `app/routing/overflow.py`): serve a whole request here, its prompt
         prefilled and decoded on this replica, no KV transfer. Streams its deltas once it
         holds one of the replica's slots, as a decode replica would."""
         if self.streams is None:

@@ -165,7 +165,7 @@ class EngineReplica:
             "num_blocks": occupancy["num_blocks"],
             "num_running": occupancy["num_running"],
             # Requests the engine holds that still compute (running, queued, awaiting KV):
-            # decode overflow compares pools by it (`app/admission/overflow.py`).
+            # decode overflow compares pools by it (`app/routing/overflow.py`).
             "num_sequences": occupancy["num_running"]
             + occupancy["num_waiting"]
             + occupancy["num_waiting_for_kv"],

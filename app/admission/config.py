@@ -181,7 +181,7 @@ def check_tenant_classes(admission: AdmissionSettings, tenants: Sequence[_Tenant
 
 
 class AdaptivePrefillSettings(_Strict):
-    """Adaptive disaggregation (`app/admission/adaptive.py`): a prompt the static rule sends
+    """Adaptive disaggregation (`app/routing/adaptive.py`): a prompt the static rule sends
     to a prefill pool is prefilled on its decode replica instead while that is cheaper."""
 
     enabled: bool = Field(
@@ -248,7 +248,7 @@ class AdaptivePrefillSettings(_Strict):
         description="Prefill pools with `serves_decode` take a whole request (its prompt "
         "prefilled and decoded there, no KV transfer) while the decode pool's least loaded "
         "replica's decode load, (sequences + 1) / (1 - prompt_busy), is above theirs by at "
-        "least this much (`app/admission/overflow.py`). 0 joins the shorter queue, ties "
+        "least this much (`app/routing/overflow.py`). 0 joins the shorter queue, ties "
         "staying on decode (CPU replicas, where a decode step's cost grows with its batch and "
         "two replicas serve best evenly loaded); a larger gap keeps prompts isolated until "
         "decode is that far ahead (GPUs, where a bigger batch costs little until memory or "
@@ -275,7 +275,7 @@ class AdaptivePrefillSettings(_Strict):
         "(ties take turns). For a few tokens "
         "the hand-off buys nothing, and the decode replica would otherwise decode every "
         "such request while the prefill replica only computes prompts "
-        "(`app/admission/overflow.py`). 0 = off.",
+        "(`app/routing/overflow.py`). 0 = off.",
     )
     decode_overflow_max_prompt_tokens: int = Field(
         default=256,
@@ -284,5 +284,5 @@ class AdaptivePrefillSettings(_Strict):
         "prompt tokens compute there (sent by this ingress and not yet answered, or reported "
         "queued): the new stream would wait for them and then stall at each of their chunks. "
         "The default lets a few chat turns share the replica and keeps whole requests off it "
-        "while a long document is prefilled (`app/admission/overflow.py`).",
+        "while a long document is prefilled (`app/routing/overflow.py`).",
     )

@@ -21,7 +21,7 @@ from app.observability.cost import CostMeter
 from app.observability.request_log import LogEntry, RequestLog
 from app.observability.tracing import trace_id_of
 from app.observability.ttft import TTFTStats
-from app.router import RouteDecision
+from app.routing.pool_router import RouteDecision
 from engine.outputs import RequestOutput, TTFTBreakdown
 
 _tracer = trace.get_tracer("pdserve.ingress")

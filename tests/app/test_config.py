@@ -21,7 +21,7 @@ from app.config import (
     PoolConfig,
     load_config,
 )
-from app.router import RouterPolicy
+from app.routing.pool_router import RouterPolicy
 from engine.builtin import resolve_model_dir
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache import KVCacheSpec

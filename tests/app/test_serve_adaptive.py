@@ -1,7 +1,7 @@
 """Adaptive disaggregation end to end: a real app decides from its pools' real loads.
 
 One prefill and one decode replica; prompts of 32 tokens or more go to the prefill pool by
-the static rule, and the adaptive rule (`app/admission/adaptive.py`) may prefill them on
+the static rule, and the adaptive rule (`app/routing/adaptive.py`) may prefill them on
 the decode replica instead. With the prefill pool idle a long prompt is prefilled
 remotely; while a flood of long prompts keeps the prefill pool's queue full, the same kind
 of prompt is prefilled locally, and the decision with its figures is in the

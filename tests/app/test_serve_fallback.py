@@ -1,5 +1,5 @@
 """The fallback model end to end: `small` is the primary model, the built-in `tiny` the
-fallback pool's (`app/admission/fallback.py`).
+fallback pool's (`app/routing/fallback.py`).
 
 Real overload, no stand-ins:
 

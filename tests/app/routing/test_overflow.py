@@ -15,9 +15,9 @@ import pytest
 from pydantic import ValidationError
 
 from app.admission.controller import decode_pool_blocks
-from app.admission.overflow import DecodeOverflow, OverflowChoice, choose_overflow
 from app.config import PDServeConfig
-from app.router import RouteDecision
+from app.routing.overflow import DecodeOverflow, OverflowChoice, choose_overflow
+from app.routing.pool_router import RouteDecision
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig

@@ -9,7 +9,7 @@ import pytest
 
 from app.config import PDServeConfig, load_config
 from app.errors import APIError, error_response
-from app.router import (
+from app.routing.pool_router import (
     NoRouteError,
     PromptTooLongError,
     RouteDecision,
@@ -17,7 +17,7 @@ from app.router import (
     UnknownTenantError,
 )
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 def _policy(**overrides: Any) -> RouterPolicy:

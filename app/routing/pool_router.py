@@ -10,11 +10,11 @@ Rules, in order:
 2. An empty prompt -> `BadRequestError` (400); `num_prompt_tokens > limits.max_prompt_tokens`
    -> `PromptTooLongError` (400 `context_length_exceeded`, as OpenAI answers).
 3. Decode pool: the first decode pool, in config order, that the tenant may use; never the
-   fallback pool (`app/admission/fallback.py` moves overloaded requests there).
+   fallback pool (`app/routing/fallback.py` moves overloaded requests there).
 4. `num_prompt_tokens < local_prefill_threshold` -> no prefill pool: the decode replica
    prefills the prompt itself (`local_prefill=True`). At or above it, the ingress may still
    prefill locally when the prefill pool is the slower of the two (adaptive disaggregation,
-   `app/admission/adaptive.py`, applied to this decision).
+   `app/routing/adaptive.py`, applied to this decision).
 5. Otherwise the *primary* prefill pool is the first pool, in config order, whose context
    range contains the length. If the tenant may use it, it is chosen. If not, the request
    falls back to the first prefill pool the tenant may use whose range also contains the

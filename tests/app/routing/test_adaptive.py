@@ -12,10 +12,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from app.admission.adaptive import AdaptivePrefill, DecodeLoad, choose_prefill, local_cost_s
 from app.admission.shedding import ReplicaLoad
 from app.config import AdaptivePrefillSettings, PDServeConfig, load_config
-from app.router import RouteDecision
+from app.routing.adaptive import AdaptivePrefill, DecodeLoad, choose_prefill, local_cost_s
+from app.routing.pool_router import RouteDecision
 from decode.server import DecodeServer
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
@@ -24,7 +24,7 @@ from replica.engine_replica import PrefillRate
 from replica.placement import PoolView
 from replica.protocol import GenerationSpec
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 P = 400  # prompt tokens of the request being placed
 RATE = 4000.0  # tokens/s of every replica below: a lone prompt takes 0.1 s
 

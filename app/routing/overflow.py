@@ -74,9 +74,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.admission.adaptive import SentSince
 from app.config import PDServeConfig, PoolConfig
-from app.router import RouteDecision
+from app.routing.adaptive import SentSince
+from app.routing.pool_router import RouteDecision
 from replica.placement import PoolSnapshot, figure
 
 MAX_PROMPT_BUSY = 0.95  # keeps the load finite for a replica that only computed prompts

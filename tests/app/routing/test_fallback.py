@@ -1,4 +1,4 @@
-"""The fallback model (app/admission/fallback.py): config rules, the decision, the build check,
+"""The fallback model (app/routing/fallback.py): config rules, the decision, the build check,
 and `Frontend.prepare` moving a degradable request to the fallback pool when it is shed or
 its prefill pool's breaker is open on its decode pool (what decode replicas publish as
 `prefill_breakers`, from `decode/breaker.py`).
@@ -20,7 +20,10 @@ import pytest
 from pydantic import ValidationError
 
 from app.admission.controller import decode_pool_blocks
-from app.admission.fallback import (
+from app.config import ConfigError, PDServeConfig, load_config
+from app.errors import ServiceUnavailableError
+from app.frontend import Frontend
+from app.routing.fallback import (
     TRIGGER_BACKPRESSURE,
     TRIGGER_BREAKER,
     TRIGGER_SHED,
@@ -30,10 +33,7 @@ from app.admission.fallback import (
     check_fallback_model,
     fallback_model_config,
 )
-from app.config import ConfigError, PDServeConfig, load_config
-from app.errors import ServiceUnavailableError
-from app.frontend import Frontend
-from app.router import RouteDecision, RouterPolicy
+from app.routing.pool_router import RouteDecision, RouterPolicy
 from decode.breaker import BreakerBoard, BreakerSettings, PrefillPlanner
 from engine.builtin import write_builtin_model
 from engine.loader import load_model_config

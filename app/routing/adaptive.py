@@ -1,8 +1,8 @@
 """Adaptive disaggregation: prefill a prompt on its decode replica while that is cheaper.
 
-The static rule (`app/router.py`) sends every prompt of at least `local_prefill_threshold`
-tokens to a prefill pool. With `adaptive_prefill.enabled` the ingress then weighs, for such
-a prompt of P tokens (`choose_prefill`, a pure function):
+The static rule (`app/routing/pool_router.py`) sends every prompt of at least
+`local_prefill_threshold` tokens to a prefill pool. With `adaptive_prefill.enabled` the
+ingress then weighs, for such a prompt of P tokens (`choose_prefill`, a pure function):
 
 - the remote wait: the prefill pool's predicted TTFT, the best replica's
   `(prompt tokens ahead of the request + P) / prefill_tokens_per_s`, as load shedding
@@ -39,7 +39,7 @@ from typing import Any
 
 from app.admission.config import AdaptivePrefillSettings
 from app.admission.shedding import ReplicaLoad, predict_ttft_s
-from app.router import RouteDecision
+from app.routing.pool_router import RouteDecision
 from replica.placement import PoolSnapshot, figure
 
 MAX_SENT_ENTRIES = 4096  # per pool; far above the requests of one stats period
@@ -124,7 +124,7 @@ def choose_prefill(
 
 class SentSince:
     """What this ingress replica sent to each pool (prompt tokens here, sequences in
-    `app/admission/overflow.py`), with when (monotonic), until the pool's next snapshot."""
+    `app/routing/overflow.py`), with when (monotonic), until the pool's next snapshot."""
 
     def __init__(self) -> None:
         self._sent: dict[str, deque[tuple[float, int]]] = {}

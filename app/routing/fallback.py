@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from app.config import PDServeConfig
 from app.config_sections import ConfigError
-from app.router import RouteDecision
+from app.routing.pool_router import RouteDecision
 from app.serve import calls as serve_calls
 from engine.builtin import resolve_model_dir
 from engine.config import ModelConfig

@@ -1,0 +1,49 @@
+"""`Placement.place`: one call that routes a checked request, chaining the configured rules
+(`RouterPolicy.route`), adaptive disaggregation (`AdaptivePrefill.apply`) and decode
+overflow (`DecodeOverflow.apply`), in that order. Each step extends the decision's reason
+with its figures, so the route a request carries says why it went where it went."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from app.errors import BadRequestError
+from app.routing.adaptive import AdaptivePrefill
+from app.routing.overflow import DecodeOverflow
+from app.routing.pool_router import RouteDecision, RouterPolicy
+
+
+class Placement:
+    """The ingress's routing steps for one request (event loop only)."""
+
+    def __init__(
+        self, policy: RouterPolicy, adaptive: AdaptivePrefill, overflow: DecodeOverflow
+    ) -> None:
+        self.policy = policy
+        self.adaptive = adaptive
+        self.overflow = overflow
+
+    def place(
+        self,
+        num_prompt_tokens: int,
+        tenant: str,
+        priority: int,
+        num_sequences: int,
+        max_tokens: int,
+        checks: Callable[[], None] = lambda: None,
+        prompt_param: str = "prompt",
+    ) -> RouteDecision:
+        """Where the request runs. The configured rules come first and raise the request's
+        routing errors (`BadRequestError`: an empty or too long prompt, an unknown tenant,
+        no pool it may use); then `checks()` (the request's other validation, which may
+        raise); only then the load-dependent steps, which count the tokens they send to a
+        pool, so a request refused by its checks is never counted. `prompt_param` names
+        the prompt's field in the rules' errors about its length."""
+        try:
+            route = self.policy.route(num_prompt_tokens, tenant)
+        except BadRequestError as exc:
+            exc.param = exc.param or prompt_param
+            raise
+        checks()
+        route = self.adaptive.apply(route, num_prompt_tokens, priority)
+        return self.overflow.apply(route, num_prompt_tokens, tenant, num_sequences, max_tokens)
