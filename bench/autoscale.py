@@ -1,10 +1,19 @@
-"""`pdserve bench autoscale`: a load ramp that stresses each pool's own signal in turn.
+"""`pdserve bench autoscale`: a load ramp that stresses each pool's own signal in turn, sized
+from the capacity measured on this machine in the same run.
 
-The config (`configs/<name>.yaml`, default `cpu-autoscale`) is deployed on a private Ray
-instance (`bench.serve_app`). Requests arrive as a Poisson process whose rate and shape follow
-the ramp (`bench.autoscale_load.stress_ramp`): `--low-s` at `--rate` of the base requests
+The config (`configs/<name>.yaml`, default `cpu-autoscale`) is first deployed with every pool
+fixed at its minimum replicas, and closed-loop probes measure what that fleet takes of each
+stressing request shape (`bench.capacity`); the ramp's rates follow from it
+(`bench.autoscale_plan`: the prefill peak at `--prefill-load` x the prefill shape's capacity,
+the decode peak at the rate that keeps `--decode-overshoot` x the decode pool's target of
+running sequences in flight, the low phases at `--low-load` x the lower peak). `--rate R`
+skips the probes: an absolute ramp, low at R and both peaks at `--peak` x R.
+
+Then the config is deployed as written on a private Ray instance (`bench.serve_app`). Requests
+arrive as a Poisson process whose rate and shape follow the ramp
+(`bench.autoscale_load.stress_ramp`): `--low-s` at the low rate of the base requests
 (`--prompt-tokens`, `--max-tokens`); then for each of `--stress` (default: prefill, then
-decode) `--ramp-s` up to `--peak` x the rate, `--peak-s` there and `--ramp-s` down, with that
+decode) `--ramp-s` up to that role's peak, `--peak-s` there and `--ramp-s` down, with that
 pool's stressing requests (prefill: `--long-prompt-tokens` prompts with `--short-output-tokens`
 outputs, so the prefill queue grows; decode: `--short-prompt-tokens` prompts with
 `--long-output-tokens` outputs, so running sequences and KV grow), each followed by `--low-s`
@@ -12,15 +21,16 @@ of base load. Every `--sample-s` the RUNNING replicas of each pool are read from
 the load the pools get `--settle-s` to scale back to their minimum.
 
 The pools' policies log each scaling decision with the signal that drove it and its metric
-values (`app.serve.autoscaling`); the bench reads them from the Serve controller's log, pairs each
+values (`app.autoscaling`); the bench reads them from the Serve controller's log, pairs each
 replica change with its decision and gives a verdict per pool (`bench.autoscale_report`).
 Every request that did not complete (HTTP error, error event, cut stream, timeout) counts as
 `failed`: the goal is 0, as scaling (starting, draining, stopping replicas) must never fail a
 request.
 
-Prints the timeline, the replica changes with their signals and the summary; writes JSON
-(`max_replicas` and `final_replicas` per pool, `failed`, `verdict`, the scaling decisions,
-the load average, the timeline, every request) and a plot beside it (`.png`).
+Prints the capacity and rates, the timeline, the replica changes with their signals and the
+summary; writes JSON (`capacity` and `rates`, `max_replicas` and `final_replicas` per pool,
+`failed`, `verdict`, the scaling decisions, the load average, the timeline, every request)
+and a plot beside it (`.png`).
 
     pdserve bench autoscale --config cpu-autoscale --json out.json
 """
@@ -43,6 +53,8 @@ from typing import Any
 import httpx
 
 from bench.autoscale_load import Ramp, Record, Shape, arrival_times, request_body, send, stress_ramp
+from bench.autoscale_plan import DECODE_OVERSHOOT, LOW_LOAD, PREFILL_LOAD, fixed_rates
+from bench.autoscale_probe import measure_rates
 from bench.autoscale_report import (
     attribute,
     human,
@@ -196,8 +208,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     add_app_arguments(parser, "cpu-autoscale")
-    parser.add_argument("--rate", type=float, default=0.75, help="low load, requests/s")
-    parser.add_argument("--peak", type=float, default=4.0, help="peak load = rate x this")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="a fixed low load, requests/s: no capacity probe, both peaks --peak x it",
+    )
+    parser.add_argument("--peak", type=float, default=4.0, help="with --rate: peak = rate x this")
+    parser.add_argument(
+        "--prefill-load",
+        type=float,
+        default=PREFILL_LOAD,
+        help="prefill peak = this x the measured prefill capacity",
+    )
+    parser.add_argument(
+        "--decode-overshoot",
+        type=float,
+        default=DECODE_OVERSHOOT,
+        help="decode peak: the rate holding this x target_running_seqs per minimum replica",
+    )
+    parser.add_argument(
+        "--low-load", type=float, default=LOW_LOAD, help="low rate = this x the lower peak"
+    )
+    parser.add_argument("--probe-s", type=float, default=6.0, help="seconds per probe point")
     parser.add_argument("--low-s", type=float, default=30.0, help="seconds of each low phase")
     parser.add_argument("--ramp-s", type=float, default=10.0, help="seconds of each ramp")
     parser.add_argument("--peak-s", type=float, default=80.0, help="seconds of each peak")
@@ -208,7 +241,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt-tokens", type=int, default=256, help="base requests")
     parser.add_argument("--max-tokens", type=int, default=16, help="base requests")
-    parser.add_argument("--long-prompt-tokens", type=int, default=2048, help="prefill stress")
+    parser.add_argument("--long-prompt-tokens", type=int, default=4000, help="prefill stress")
     parser.add_argument("--short-output-tokens", type=int, default=4, help="prefill stress")
     parser.add_argument("--short-prompt-tokens", type=int, default=48, help="decode stress")
     parser.add_argument("--long-output-tokens", type=int, default=128, help="decode stress")
@@ -244,14 +277,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prefill": Shape(args.long_prompt_tokens, args.short_output_tokens),
         "decode": Shape(args.short_prompt_tokens, args.long_output_tokens),
     }
+    stressing = {role: stressing[role] for role in args.stress_roles}
+    if args.rate is not None:
+        rates = fixed_rates(args.rate, args.peak, args.stress_roles)
+        capacity: dict[str, Any] = {"method": "not measured: a fixed ramp (--rate, --peak)"}
+    else:
+        rates, capacity = measure_rates(config_args, stressing, args)
+    print(
+        f"rates: low {rates.low:.2f} req/s, peaks "
+        + ", ".join(f"{role} {rate:.2f}" for role, rate in rates.peaks.items()),
+        file=sys.stderr,
+    )
+    base = Shape(args.prompt_tokens, args.max_tokens)
     ramp = stress_ramp(
-        args.rate,
-        args.peak,
-        args.low_s,
-        args.ramp_s,
-        args.peak_s,
-        Shape(args.prompt_tokens, args.max_tokens),
-        {role: stressing[role] for role in args.stress_roles},
+        rates.low, rates.peaks, args.low_s, args.ramp_s, args.peak_s, base, stressing
     )
     load_before = os.getloadavg()
     with running_app(config_args, args.num_cpus) as app:
@@ -260,6 +299,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         events = scaling_events(controller_log_lines(), config.app_name, bench.wall_start)
     rows = timeline(ramp, bench.records, bench.samples, pools, args.window_s)
     summary = {"config": args.config, "model": app.model_name, **summarize(bench, roles, events)}
+    summary["capacity"] = capacity
+    summary["rates"] = {
+        "low": rates.low,
+        "peaks": rates.peaks,
+        "prefill_load": None if args.rate is not None else args.prefill_load,
+        "decode_overshoot": None if args.rate is not None else args.decode_overshoot,
+        "low_load": None if args.rate is not None else args.low_load,
+    }
     summary["load_average"]["before"] = load_before[0]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     summary["plot"] = plot(

@@ -3,9 +3,11 @@
 The ramp is a list of `Phase`s, each with its own request shape, so one run can stress each
 pool's own signal in turn (`stress_ramp`):
 
-    low ─ prefill ↗ 4x ↘ (long prompts, short outputs: the prefill queue grows)
-        ─ low ─ decode ↗ 4x ↘ (short prompts, long outputs: running sequences and KV grow)
+    low ─ prefill ↗ peak ↘ (long prompts, short outputs: the prefill queue grows)
+        ─ low ─ decode ↗ peak ↘ (short prompts, long outputs: running sequences and KV grow)
         ─ low
+
+Each peak's rate is its own (`bench/autoscale_plan.py` sizes them from measured capacity).
 
 Pure except `send` (one streamed HTTP completion).
 """
@@ -16,6 +18,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,19 +82,19 @@ class Ramp:
 
 def stress_ramp(
     rate: float,
-    peak: float,
+    peaks: Mapping[str, float],
     low_s: float,
     ramp_s: float,
     peak_s: float,
     base: Shape,
-    shapes: dict[str, Shape],
+    shapes: Mapping[str, Shape],
 ) -> Ramp:
     """`low_s` of `base` requests at `rate`; then for each pool role in `shapes` (in order) a
-    ramp to `peak` x `rate` of that role's stressing shape, `peak_s` there, a ramp back down,
-    and `low_s` of `base` at `rate` again."""
-    high = rate * peak
+    ramp to that role's rate in `peaks` (requests/s) of its stressing shape, `peak_s` there,
+    a ramp back down, and `low_s` of `base` at `rate` again."""
     phases = [Phase("low", low_s, rate, rate, base)]
     for role, shape in shapes.items():
+        high = peaks[role]
         phases += [
             Phase(f"{role}-up", ramp_s, rate, high, shape, role),
             Phase(f"{role}-peak", peak_s, high, high, shape, role),

@@ -1,10 +1,13 @@
 """`pdserve bench chaos`: mixed load against a config while its replicas are killed and frozen.
 
 The config (`configs/<name>.yaml`) is deployed on a private Ray instance (`bench.serve_app`).
-For `--duration` seconds a Poisson load (`--rate`) of greedy completions is sent: short
-prompts (prefilled on decode) and long ones (prefilled remotely), streamed or not, each from
-a fixed pool whose expected output is computed first, offline, with `engine.engine.Engine`
-on the same model. Meanwhile a seeded schedule picks, every `--fault-every` seconds or so, a
+For `--duration` seconds a Poisson load of greedy completions is sent: short prompts
+(prefilled on decode) and long ones (prefilled remotely), streamed or not, each from a fixed
+pool whose expected output is computed first, offline, with `engine.engine.Engine` on the
+same model (`bench.chaos_requests`). Its rate is `--load` (0.7) x the capacity measured on
+the deployed app just before, with the same mix (closed-loop saturation, `bench.capacity`),
+so the faults land on a service that is busy but not saturated on any machine; `--rate`
+fixes it instead. Meanwhile a seeded schedule picks, every `--fault-every` seconds or so, a
 fault (SIGKILL, or SIGSTOP then SIGCONT after `--stop-s`) and a target (a prefill or decode
 replica process, see `bench.faults`); Serve replaces killed replicas. After each fault a probe
 (a long greedy prompt, checked) is sent until one succeeds: `recovery_s`. The next fault waits
@@ -20,7 +23,8 @@ sent after that before the replacement was up. At the end, after the pools go id
 
     pdserve bench chaos --config cpu-disagg --duration 120 --seed 0 --json out.json
 
-writes the JSON (summary fields at the top level, then `faults` and per-request `requests`)
+writes the JSON (summary fields at the top level, with `capacity` and the derived `rate`, then
+`faults` and per-request `requests`)
 and `out.png` beside it (latency of every request over time, by outcome, with the faults);
 the last stdout line is the summary as one JSON object. Progress goes to stderr.
 """
@@ -37,7 +41,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.chaos_report import Fault, Record, human_summary, mark_decode_kills, plot, summarize
+from bench.chaos_requests import Shape, measure_capacity, request_pool, send, with_references
 from bench.faults import replica_pids, signal_pid, wait_for_new_replica
 from bench.metrics import finite_or_none
 from bench.serve_app import RunningApp, add_app_arguments, app_args, free_port, running_app
@@ -53,97 +58,10 @@ logger = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
 PROBE_TIMEOUT_S = 20.0
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """One request of the fixed pool: its prompt, length and expected (greedy) text."""
-
-    label: str  # "short" (prefilled on decode) | "long" (prefilled remotely)
-    prompt: str
-    max_tokens: int
-    expected: str = ""
-
-
-def request_pool(num_short: int, num_long: int, seed: int) -> list[Shape]:
-    """Distinct short and long prompts (one character per token with the built-in models)."""
-    rng = random.Random(seed)
-    shapes = [Shape("short", f"chaos {i:03d}: hello", 16) for i in range(num_short)]
-    for i in range(num_long):
-        words = " ".join(f"w{rng.randrange(10_000)}" for _ in range(rng.randrange(60, 200)))
-        shapes.append(Shape("long", f"chaos long {i:03d}: {words}", 8))
-    return shapes
-
-
-def with_references(shapes: list[Shape], args: dict[str, Any]) -> list[Shape]:
-    """Each shape with its expected text: greedy generation with the offline engine."""
-    from app.config import load_config
-    from engine.engine import Engine
-    from engine.request import SamplingParams
-
-    engine = Engine(load_config(args).model.to_engine_config())
-    params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in shapes]
-    outputs = engine.generate([s.prompt for s in shapes], params)
-    return [
-        Shape(s.label, s.prompt, s.max_tokens, out.text)
-        for s, out in zip(shapes, outputs, strict=True)
-    ]
-
-
-# ---------------------------------------------------------------------------------- requests
-
-
-Outcome = tuple[str, str | None, int | None, str | None]
-
-
-async def send(
-    client: httpx.AsyncClient, model: str, shape: Shape, stream: bool, timeout_s: float
-) -> Outcome:
-    """(outcome, text when completed, status, error message) of one greedy completion."""
-    body = {
-        "model": model,
-        "prompt": shape.prompt,
-        "max_tokens": shape.max_tokens,
-        "temperature": 0,
-        "stream": stream,
-    }
-    status: int | None = None
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                status = response.status_code
-                if status != 200:
-                    return _error_outcome(status, await response.aread())
-                if not stream:
-                    text = json.loads(await response.aread())["choices"][0]["text"]
-                    return "completed", str(text), status, None
-                parts: list[str] = []
-                error: str | None = None
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line.removeprefix("data: ")
-                    if data == "[DONE]":
-                        if error is not None:
-                            return "failed_clean", None, status, error
-                        return "completed", "".join(parts), status, None
-                    event = json.loads(data)
-                    if "error" in event:
-                        error = str(event["error"].get("message"))[:300]
-                    parts += [c.get("text") or "" for c in event.get("choices") or []]
-                return "failed_unclean", None, status, error or "stream ended without [DONE]"
-    except (TimeoutError, httpx.TimeoutException):  # the whole request, or one silent read
-        return "hung", None, status, f"no answer within {timeout_s} s"
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-        return "failed_unclean", None, status, repr(exc)[:300]
-
-
-def _error_outcome(status: int, raw: bytes) -> Outcome:
-    try:
-        error = json.loads(raw)["error"]
-        return "failed_clean", None, status, str(error["message"])[:300]
-    except (ValueError, KeyError, TypeError):
-        return "failed_unclean", None, status, raw[:300].decode(errors="replace")
+CAPACITY_METHOD = (
+    "closed-loop saturation with the run's mix: concurrency doubled from 1 until the "
+    "throughput gains < 10%; capacity = the best throughput of requests completed correctly"
+)
 
 
 # ------------------------------------------------------------------------------------- faults
@@ -316,7 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_app_arguments(parser, "cpu-disagg")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of load")
-    parser.add_argument("--rate", type=float, default=2.0, help="requests per second (Poisson)")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="fixed requests/s (Poisson): no capacity probe"
+    )
+    parser.add_argument(
+        "--load", type=float, default=0.7, help="without --rate: this x the measured capacity"
+    )
+    parser.add_argument("--probe-s", type=float, default=5.0, help="seconds per capacity point")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=90.0, help="past it: hung")
     parser.add_argument("--first-fault", type=float, default=10.0, help="s after the start")
@@ -350,6 +274,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("computing the reference outputs (offline engine)", file=sys.stderr)
     shapes = with_references(request_pool(args.num_short, args.num_long, args.seed), config_args)
     with running_app(config_args, args.num_cpus) as app:
+        capacity: dict[str, Any] = {"method": "not measured: a fixed rate (--rate)"}
+        if args.rate is None:
+            measured = asyncio.run(measure_capacity(app, shapes, args))
+            args.rate = args.load * measured.requests_per_s
+            capacity = {"method": CAPACITY_METHOD, **measured.to_dict()}
+            print(
+                f"capacity {measured.requests_per_s:.2f} req/s: rate {args.rate:.2f}",
+                file=sys.stderr,
+            )
+            if args.rate <= 0:
+                raise SystemExit(f"the capacity probe completed nothing: {capacity}")
         chaos = Chaos(app, config.app_name, shapes, args)
         asyncio.run(chaos.run())
         mark_decode_kills(chaos.records, chaos.faults, decode_pools)
@@ -360,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed,
         "duration_s": args.duration,
         "rate": args.rate,
+        "load": None if capacity.get("requests_per_s") is None else args.load,
+        "capacity": capacity,
         **summarize(chaos.records, chaos.faults, chaos.probes, usage),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

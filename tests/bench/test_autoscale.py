@@ -15,7 +15,7 @@ from bench.autoscale_report import attribute, replica_changes, scaling_events, v
 BASE, LONG_PROMPTS, LONG_OUTPUTS = Shape(256, 32), Shape(2048, 4), Shape(48, 192)
 RAMP = stress_ramp(
     rate=2.0,
-    peak=4.0,
+    peaks={"prefill": 8.0, "decode": 6.0},
     low_s=10.0,
     ramp_s=10.0,
     peak_s=20.0,
@@ -37,10 +37,12 @@ def test_ramp_shape() -> None:
     ]
     assert RAMP.rate_at(5.0) == 2.0  # low
     assert RAMP.rate_at(15.0) == pytest.approx(5.0)  # halfway up
-    assert RAMP.rate_at(25.0) == 8.0 and RAMP.rate_at(39.9) == 8.0  # peak: 4x
+    assert RAMP.rate_at(25.0) == 8.0 and RAMP.rate_at(39.9) == 8.0  # the prefill peak
     assert RAMP.rate_at(45.0) == pytest.approx(5.0)  # halfway down
     assert RAMP.rate_at(55.0) == 2.0  # low again
-    assert RAMP.rate_at(80.0) == 8.0  # the decode peak
+    assert RAMP.rate_at(65.0) == pytest.approx(4.0)  # halfway up to the decode peak
+    assert RAMP.rate_at(80.0) == 6.0  # the decode peak, at its own rate
+    assert RAMP.peak_rate == 8.0
     assert RAMP.rate_at(110.0) == 0.0 and RAMP.rate_at(-1.0) == 0.0
     prefill_peak, _ = RAMP.phase_at(30.0) or (None, 0)
     decode_peak, _ = RAMP.phase_at(80.0) or (None, 0)

@@ -1,0 +1,95 @@
+"""The capacity probe (`bench/capacity.py`): the saturation search stops where doubling the
+concurrency stops paying and reports the best throughput; the closed loop keeps exactly its
+concurrency in flight, gives every request its own index and returns only once all ended."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.capacity import Capacity, LoadPoint, closed_loop, find_saturation
+
+
+def _point(concurrency: int, throughput: float) -> LoadPoint:
+    return LoadPoint(concurrency, duration_s=10.0, completed=round(throughput * 10))
+
+
+def _search(curve: dict[int, float], **kwargs: int | float) -> tuple[Capacity, list[int]]:
+    asked: list[int] = []
+
+    async def measure(concurrency: int) -> LoadPoint:
+        asked.append(concurrency)
+        return _point(concurrency, curve[concurrency])
+
+    return asyncio.run(find_saturation(measure, **kwargs)), asked  # type: ignore[arg-type]
+
+
+def test_saturation_stops_once_doubling_gains_little() -> None:
+    capacity, asked = _search({1: 4.0, 2: 7.0, 4: 9.0, 8: 9.5, 16: 9.6})
+    assert asked == [1, 2, 4, 8]  # 8 gained 5.6% over 4: saturated
+    assert capacity.saturated and capacity.requests_per_s == 9.5
+    assert [p.concurrency for p in capacity.points] == asked
+
+
+def test_a_dip_past_the_knee_keeps_the_best_throughput() -> None:
+    capacity, asked = _search({1: 5.0, 2: 8.0, 4: 6.0})
+    assert asked == [1, 2, 4]
+    assert capacity.saturated and capacity.requests_per_s == 8.0
+
+
+def test_unsaturated_at_the_concurrency_cap() -> None:
+    capacity, asked = _search({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}, max_concurrency=8)
+    assert asked == [1, 2, 4, 8]
+    assert not capacity.saturated and capacity.requests_per_s == 8.0
+
+
+def test_search_arguments_are_checked() -> None:
+    with pytest.raises(ValueError):
+        _search({}, start=0)
+    with pytest.raises(ValueError):
+        _search({}, start=4, max_concurrency=2)
+    with pytest.raises(ValueError):
+        _search({}, min_gain=-0.1)
+
+
+def test_point_throughput_and_record() -> None:
+    point = LoadPoint(4, duration_s=5.0, completed=20, failed=1, sent=26, mean_latency_s=0.9)
+    assert point.throughput == 4.0
+    assert point.to_dict()["throughput"] == 4.0 and point.to_dict()["sent"] == 26
+    assert LoadPoint(1, duration_s=0.0, completed=0).throughput == 0.0
+    capacity = Capacity(4.0, [point], saturated=True).to_dict()
+    assert capacity["requests_per_s"] == 4.0 and capacity["points"][0]["completed"] == 20
+
+
+def test_closed_loop_keeps_its_concurrency_in_flight() -> None:
+    indices: list[int] = []
+    in_flight = most = 0
+
+    async def send(index: int) -> bool:
+        nonlocal in_flight, most
+        indices.append(index)
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.005)
+        in_flight -= 1
+        return index % 5 != 0  # every fifth request fails
+
+    point = asyncio.run(closed_loop(send, 3, duration_s=1.0, warmup_s=0.05, first_index=100))
+    assert most == 3 and in_flight == 0  # all ended before it returned
+    assert point.concurrency == 3 and point.duration_s == 1.0
+    assert point.sent == len(indices) and sorted(indices) == list(range(100, 100 + point.sent))
+    # Only requests ending inside the window count: not those of the warm-up, nor each
+    # worker's last one (it ends past the window, which is why the worker stops).
+    assert 0 < point.completed + point.failed < point.sent
+    assert point.failed > 0 and point.mean_latency_s is not None
+
+
+def test_closed_loop_arguments_are_checked() -> None:
+    async def send(index: int) -> bool:
+        return True
+
+    with pytest.raises(ValueError):
+        asyncio.run(closed_loop(send, 0, 1.0))
+    with pytest.raises(ValueError):
+        asyncio.run(closed_loop(send, 1, 0.0))
