@@ -1,7 +1,6 @@
 """Admission control: tenant quotas shared by every ingress replica, SLO classes, overload.
 
-Quotas and classes:
-- `config`: the `admission` / `ingress` config sections and each tenant's `quota` (pydantic).
+Quotas and classes (their config sections: `app/config/tenants.py`, `admission.py`):
 - `quotas`: token buckets, slot counts and the priority wait queue (pure, injected clock).
 - `leases`: an ingress replica's local share of the global buckets (pure).
 - `classes`: which SLO class (and so which priority) a request runs in.
@@ -9,9 +8,6 @@ Quotas and classes:
   Serve deployment).
 - `controller`: what the ingress calls per request (`Admission.admit`).
 
-Overload (deadlines, load shedding): `overload_config`, `overload`, `deadlines`,
+Overload (deadlines, load shedding; config `app/config/overload.py`): `overload`, `deadlines`,
 `shedding`, `load_monitor`.
-
-The config modules import only the `*config` modules here, so loading a config never
-imports Ray.
 """

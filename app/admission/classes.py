@@ -14,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.admission.config import AdmissionSettings, SLOClass
-from app.config_sections import TenantConfig
+from app.config import AdmissionSettings, SLOClass, TenantConfig
 from app.errors import BadRequestError, PermissionDeniedError
 
 SLO_CLASS_HEADER = "x-pdserve-slo-class"

@@ -28,11 +28,9 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from app.admission.config import AdmissionSettings, TenantQuota
 from app.admission.leases import Lease
 from app.admission.quotas import Limit, SlotDemand
-from app.config import PDServeConfig
-from app.config_sections import TenantConfig
+from app.config import AdmissionSettings, PDServeConfig, TenantConfig, TenantQuota
 from app.errors import RateLimitError, ServiceUnavailableError
 from engine.config import ModelConfig
 from engine.cuda_graphs import uses_decode_graphs

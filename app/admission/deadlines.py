@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from app.admission.overload_config import OverloadSettings
+from app.config import OverloadSettings
 from app.errors import BadRequestError, DeadlineExceededError
 
 TIMEOUT_HEADER = "x-pdserve-timeout"

@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
-from app.admission.overload_config import SheddingSettings
+from app.config import SheddingSettings
 from replica.placement import PoolSnapshot, PoolView, pool_view
 
 

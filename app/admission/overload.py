@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 from app.admission.deadlines import Deadline, resolve_timeout_s
 from app.admission.load_monitor import PoolLoadMonitor
-from app.admission.overload_config import OverloadSettings
 from app.admission.shedding import LoadShedder, ShedCheck, overloaded
+from app.config import OverloadSettings
 from app.errors import ServiceUnavailableError
 from app.serve.calls import is_backpressure
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import ray
 
-from app.admission.config import TenantQuota
 from app.admission.quotas import Limit, SlotDemand, TenantLedger, WaitQueue
+from app.config import TenantQuota
 
 # One replica: the ledger it owns is the state.
 QUOTA_SERVICE_OPTIONS: dict[str, Any] = {

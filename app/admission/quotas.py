@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
-from app.admission.config import TenantQuota
+from app.config import TenantQuota
 
 T = TypeVar("T")
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.admission.overload_config import SheddingSettings
+from app.config import SheddingSettings
 from app.errors import ServiceUnavailableError
 from replica.placement import PoolSnapshot, figure
 

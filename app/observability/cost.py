@@ -15,8 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.config_pools import PoolConfig
-from app.observability.config import CostSettings
+from app.config import CostSettings, PoolConfig
 
 PER_MILLION = 1_000_000
 

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app.observability.config import RequestLogSettings
+from app.config import RequestLogSettings
 
 logger = logging.getLogger(__name__)
 

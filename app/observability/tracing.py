@@ -31,8 +31,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, Sampler, T
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from app.config import TracingSettings
 from app.errors import error_json_response
-from app.observability.config import TracingSettings
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.admission.config import AdaptivePrefillSettings
 from app.admission.shedding import ReplicaLoad, predict_ttft_s
+from app.config import AdaptivePrefillSettings
 from app.routing.pool_router import RouteDecision
 from replica.placement import PoolSnapshot, figure
 

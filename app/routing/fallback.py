@@ -37,8 +37,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from app.config import PDServeConfig
-from app.config_sections import ConfigError
+from app.config import ConfigError, PDServeConfig
 from app.routing.pool_router import RouteDecision
 from app.serve import calls as serve_calls
 from engine.builtin import resolve_model_dir

@@ -10,9 +10,7 @@ from typing import Any
 import pytest
 
 from app.admission.classes import ClassResolver, requested_class
-from app.admission.config import AdmissionSettings, SLOClass
-from app.config import load_config
-from app.config_sections import TenantConfig
+from app.config import AdmissionSettings, SLOClass, TenantConfig, load_config
 from app.errors import BadRequestError, PermissionDeniedError
 from app.frontend import Frontend
 from engine.builtin import write_builtin_model

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from app.admission.config import AdmissionSettings, TenantQuota
 from app.admission.controller import Admission
 from app.admission.leases import Lease
 from app.admission.quota_service import QuotaLedger
 from app.admission.quotas import Limit, SlotCounts, SlotDemand, TokenBucket, WaitQueue
+from app.config import AdmissionSettings, TenantQuota
 from app.errors import RateLimitError
 
 # ---- token bucket ----------------------------------------------------------------------

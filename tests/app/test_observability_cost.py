@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.config import PDServeConfig
-from app.observability.config import CostSettings
+from app.config import CostSettings, PDServeConfig
 from app.observability.cost import CostMeter, fleet_cost, pool_rates, unit_cost
 
 

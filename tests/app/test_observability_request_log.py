@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.observability.config import RequestLogSettings
+from app.config import RequestLogSettings
 from app.observability.request_log import (
     ROTATED_MARKER,
     LogEntry,

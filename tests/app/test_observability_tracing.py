@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from app.config import TracingSettings
 from app.errors import BadRequestError, install_error_handlers
-from app.observability.config import TracingSettings
 from app.observability.tracing import (
     PROPAGATOR,
     TRACE_ID_HEADER,

@@ -11,7 +11,6 @@ from pydantic import ValidationError
 
 from app.admission.deadlines import Deadline, requested_timeout, resolve_timeout_s
 from app.admission.overload import OverloadGuard
-from app.admission.overload_config import OverloadSettings, SheddingSettings
 from app.admission.shedding import (
     DecodeSlots,
     LoadShedder,
@@ -20,7 +19,7 @@ from app.admission.shedding import (
     predict_decode_wait_s,
     predict_ttft_s,
 )
-from app.config import load_config
+from app.config import OverloadSettings, SheddingSettings, load_config
 from app.errors import BadRequestError, DeadlineExceededError, error_response
 from replica.placement import PoolSnapshot
 

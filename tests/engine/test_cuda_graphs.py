@@ -21,7 +21,7 @@ import torch
 from pydantic import ValidationError
 
 from app.cli import main as cli_main
-from app.config_sections import ModelSettings
+from app.config import ModelSettings
 from engine.builtin import write_builtin_model
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.cuda_graphs import capture_sizes, default_batch_sizes

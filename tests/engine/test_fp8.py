@@ -221,7 +221,7 @@ def test_tensor_parallel_fp8_equals_single_rank_fp8(tiny: Path) -> None:
 def test_model_config_section_carries_and_checks_the_fp8_options() -> None:
     from pydantic import ValidationError
 
-    from app.config_sections import ModelSettings
+    from app.config import ModelSettings
 
     engine_config = ModelSettings(quantization="fp8", kv_cache_dtype="fp8").to_engine_config()
     assert engine_config.quantization == "fp8"

@@ -1,6 +1,6 @@
 """The `observability` section of the configuration: tracing, the request log, unit cost.
 
-Strict pydantic models like `app/config_sections.py`; `PDServeConfig.observability` holds
+`PDServeConfig.observability` holds
 one `ObservabilitySettings`, and `PDServeConfig` checks that `cost` names existing pools.
 """
 
@@ -11,9 +11,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from app.config_sections import _Strict
+from app.config.base import _Strict
 
 RedactionRule = Literal["emails", "api_keys", "digits"]
+
+
 _ALL_RULES: tuple[RedactionRule, ...] = ("emails", "api_keys", "digits")
 
 

@@ -17,42 +17,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, model_validator
 
-from app.admission.config import (
-    AdaptivePrefillSettings,
-    AdmissionSettings,
-    IngressSettings,
-    check_tenant_classes,
-)
-from app.admission.overload_config import OverloadSettings
-from app.config_pools import AutoscalingSettings, PoolConfig, check_prefill_coverage
-from app.config_sections import (
-    ConfigError,
-    EngineOverrides,
-    HttpSettings,
-    LimitSettings,
-    ModelSettings,
-    TenantConfig,
-    TransferSettings,
-    _Strict,
-    read_api_keys,
-)
-from app.observability.config import ObservabilitySettings
+from app.config.admission import AdmissionSettings, IngressSettings, check_tenant_classes
+from app.config.base import ConfigError, _Strict, read_api_keys
+from app.config.http import HttpSettings, LimitSettings
+from app.config.model import ModelSettings
+from app.config.observability import ObservabilitySettings
+from app.config.overload import OverloadSettings
+from app.config.pools import PoolConfig, check_prefill_coverage
+from app.config.routing import AdaptivePrefillSettings
+from app.config.tenants import TenantConfig
+from app.config.transfer import TransferSettings
 from engine.config import EngineConfig
-
-__all__ = [
-    "AdaptivePrefillSettings",
-    "AutoscalingSettings",
-    "ConfigError",
-    "EngineOverrides",
-    "HttpSettings",
-    "LimitSettings",
-    "ModelSettings",
-    "PDServeConfig",
-    "PoolConfig",
-    "TenantConfig",
-    "TransferSettings",
-    "load_config",
-]
 
 
 class PDServeConfig(_Strict):

@@ -1,8 +1,8 @@
 """Pool sections of the configuration: a pool and its autoscaling, and the check that the
 prefill pools' context ranges cover every remotely prefilled prompt length.
 
-Strict pydantic models like the other sections (`app/config_sections.py`); `app/config.py`
-assembles them into `PDServeConfig` and calls `check_prefill_coverage`.
+`app/config/root.py` assembles them into `PDServeConfig` and calls
+`check_prefill_coverage`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, field_validator, model_validator
 
-from app.config_sections import NAME_PATTERN, EngineOverrides, ModelSettings, _Strict
+from app.config.base import NAME_PATTERN, _Strict
+from app.config.model import EngineOverrides, ModelSettings
 
 _RESERVED_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 

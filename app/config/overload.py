@@ -8,13 +8,10 @@ remote prefills to a failing prefill replica or pool (`decode/breaker.py`).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from app.config.base import _Strict
 from decode.breaker import BreakerSettings
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class SheddingSettings(_Strict):
