@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from bench.sse import sse_lines
+
 
 @dataclass(frozen=True, slots=True)
 class Shape:
@@ -165,7 +167,7 @@ async def send(
                         f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                     )
                     return
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data: "):
                         continue
                     data = line.removeprefix("data: ")

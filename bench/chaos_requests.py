@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from bench.capacity import Capacity, LoadPoint, closed_loop, find_saturation
 from bench.serve_app import RunningApp
+from bench.sse import sse_lines
 
 PROBE_WARMUP_S = 1.0  # per point: requests ending sooner are not counted
 
@@ -92,7 +93,7 @@ async def send(
                     return "completed", str(text), status, None
                 parts: list[str] = []
                 error: str | None = None
-                async for line in response.aiter_lines():
+                async for line in sse_lines(response):
                     if not line.startswith("data: "):
                         continue
                     data = line.removeprefix("data: ")

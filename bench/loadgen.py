@@ -41,6 +41,7 @@ from bench.metrics import (
     summarize,
 )
 from bench.server_report import add_server_args, fetch_stats, print_server_side, server_side
+from bench.sse import sse_lines
 from bench.workloads import (
     ScheduledRequest,
     add_workload_args,
@@ -124,7 +125,7 @@ async def _send(
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return record
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
