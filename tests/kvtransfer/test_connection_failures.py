@@ -16,9 +16,11 @@ from kvt_peers import FAST, Released, eventually, make_receiver, source_cache, s
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kvtransfer import KVTransferError, TransferState, create_sender
+from kvtransfer.datapath import LayerItem
 from kvtransfer.receiver import Receiver
+from kvtransfer.sender import Sender
 from kvtransfer.table import TransferRecord
-from kvtransfer.tcp import TcpLanding, parse_endpoint
+from kvtransfer.tcp import TcpLanding, TcpWriting, parse_endpoint
 from kvtransfer.wire import Connection, FrameSocket, Kind
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,15 +142,32 @@ def test_a_dropped_connection_tears_its_data_path_down_before_any_fence() -> Non
 
 
 class StalledLanding(TcpLanding):
-    """A receiver that stops reading in the middle of a LAYER frame until `resume` is set."""
+    """A receiver that stops reading in the middle of a LAYER frame until `resume` is set.
+    `stalled` is set once its reader thread is blocked there (the header read, the payload
+    not), so no frame after that one on the connection is read before `resume`."""
 
     def __init__(self, kv_cache: KVCache) -> None:
         super().__init__(kv_cache, "127.0.0.1")
-        self.resume = threading.Event()
+        self.stalled, self.resume = threading.Event(), threading.Event()
 
     def land(self, conn: Connection, record: TransferRecord, header: object) -> None:
-        self.resume.wait(30.0)
+        self.stalled.set()
+        self.resume.wait(120.0)  # the test sets it, in a `finally` too
         super().land(conn, record, header)  # type: ignore[arg-type]
+
+
+class TrackedWriting(TcpWriting):
+    """tcp's sending data path, noting when a write of layers returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = threading.Event()
+
+    def write(
+        self, conn: Connection, record: TransferRecord, items: list[LayerItem], checksum: bool
+    ) -> None:
+        super().write(conn, record, items, checksum)
+        self.written.set()
 
 
 def test_abort_returns_while_a_layer_is_stuck_on_a_stalled_receiver() -> None:
@@ -159,23 +178,25 @@ def test_abort_returns_while_a_layer_is_stuck_on_a_stalled_receiver() -> None:
     blocks = tuple(range(256))
     released, sender_released = Released(), Released()
     options = dataclasses.replace(FAST, io_timeout_s=40.0)
-    landing = StalledLanding(KVCache.allocate(s))
+    landing, writing = StalledLanding(KVCache.allocate(s)), TrackedWriting()
     receiver = Receiver(s, landing, model_id="test-model", release=released, options=options)
-    sender = create_sender(
-        "tcp", s, model_id="test-model", release=sender_released, options=options
-    )
+    sender = Sender(s, writing, model_id="test-model", release=sender_released, options=options)
     try:
         ticket = receiver.open_ticket("stuck", blocks, 60.0)
         sender.connect(ticket, 10.0)
         cache = KVCache.allocate(s)
         sender.send_layer(ticket, 0, cache.key_caches[0], cache.value_caches[0], blocks)
-        assert eventually(lambda: receiver.poll("stuck") is TransferState.TRANSFERRING, 10.0)
+        # Wait until the receiver holds the layer's header: the send is under way (the
+        # payload cannot all fit in the socket buffers) and the receiver reads nothing more.
+        assert landing.stalled.wait(10.0), "the layer never reached the receiver"
         aborting = threading.Thread(target=sender.abort, args=("stuck",))
         aborting.start()
         aborting.join(10.0)
         assert not aborting.is_alive(), "abort waited for a send stuck on a stalled receiver"
+        assert not writing.written.is_set()  # the layer was still going out
         assert sender.poll("stuck") is TransferState.ABORTED and sender_released.ids == ["stuck"]
-        assert receiver.poll("stuck") is TransferState.TRANSFERRING  # it has not read on yet
+        # Its reader is held in `land` until `resume`: the ABORT behind the layer is unread.
+        assert receiver.poll("stuck") is TransferState.TRANSFERRING and released.ids == []
         landing.resume.set()
         assert receiver.wait("stuck", 20.0) is TransferState.ABORTED
         assert released.wait_for("stuck")
