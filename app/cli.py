@@ -11,6 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from app.protocol import DEFAULT_MAX_TOKENS
+
 BENCHMARKS = {
     "accuracy": "bench.accuracy",
     "engine": "bench.engine",
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate offline with the engine")
     gen.add_argument("--model", default="tiny", help="model directory or built-in name")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)

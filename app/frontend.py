@@ -1,14 +1,18 @@
-"""What every entry point (HTTP and Python handle) does before and around decode.
+"""The front door: what every entry point (HTTP and Python handle) does before and around
+decode, once per request.
 
-Authenticate the key → tenant, validate and tokenize (off the event loop), route (pool choice
-recorded) and resolve the SLO class (its priority replaces the route's), admit against the
-tenant's global quotas (`app/admission/controller.py`), then fan `n` choices out as streaming
-calls to a decode pool (`app/choices.py`) and merge their deltas (output tokens charged as
-they stream). A decode replica that dies under a request fails it with `ReplicaLostError`
-(503); a request the engine failed (and isolated) gets a 500 with code "request_failed".
+The entry point authenticates the key → tenant (HTTP does it before reading the body) and
+hands over an `Entry`; `admit` checks the model and the sampling params, tokenizes (off the
+event loop), resolves the SLO class (its priority replaces the route's), places the request
+(`app/routing/placement.py`: the prompt's checks run there, before any load is counted) and
+sheds it when overloaded. `run` admits it against the tenant's global quotas
+(`app/admission/controller.py`), then fans `n` choices out as streaming calls to a decode
+pool (`app/choices.py`) and merges their deltas (output tokens charged as they stream).
+A decode replica that dies under a request fails it with `ReplicaLostError` (503); a
+request the engine failed (and isolated) gets a 500 with code "request_failed".
 A degradable request may be moved to the fallback pool (`app/routing/fallback.py`) when
 it would be shed, when its prefill pool's breaker is open on its decode pool, or when the
-decode pool's queue is full before its first token. What `prepare` hands to `run` is a
+decode pool's queue is full before its first token. What `admit` hands to `run` is a
 `PreparedRequest` (`app/prepared.py`); routing decisions are kept by `app/routing/log.py`.
 No FastAPI here: `app/ingress.py` adds HTTP on top.
 """
@@ -50,7 +54,7 @@ from app.observability.request_metrics import (
 )
 from app.observability.telemetry import IngressTelemetry, route_span
 from app.observability.tracing import carrier_for, child_span
-from app.prepared import PreparedRequest
+from app.prepared import Entry, PreparedRequest
 from app.prompts import PromptTokenizer
 from app.routing.adaptive import AdaptivePrefill
 from app.routing.fallback import (
@@ -136,11 +140,6 @@ class Frontend:
 
     # ---- checks ----------------------------------------------------------------------
 
-    def default_max_tokens(self, num_prompt_tokens: int) -> int:
-        """Output budget when the client names none: the service limit, within the context."""
-        room = self.model_config.max_model_len - num_prompt_tokens
-        return max(1, min(self.config.limits.max_output_tokens, room))
-
     def authenticate(self, api_key: str | None) -> str:
         """The key's tenant; raises `AuthenticationError` (401). Call before any other work."""
         with child_span(_tracer, "auth") as span:
@@ -174,6 +173,29 @@ class Frontend:
     async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
+    async def admit(self, tenant: str, entry: Entry) -> PreparedRequest:
+        """The front door: `entry` of `tenant` (from `authenticate`) checked, tokenized and
+        placed, ready to `run`. Raises an `APIError` (→ 4xx) on bad input, or the engine's
+        `InvalidRequestError` for out-of-range sampling values (a 400 over HTTP). The cheap
+        checks come first: the model (404) and the sampling params (400) before tokenizing."""
+        self.check_model(entry.model)
+        params = entry.sampling_params()
+        self.check_params(params)
+        if entry.messages is not None:
+            prompt_ids = await self.tokenize_chat(entry.messages)
+        else:
+            prompt_ids = await self.tokenize_prompt(entry.prompt or [])
+        return self.prepare(
+            tenant,
+            prompt_ids,
+            params,
+            entry.n,
+            entry.prompt_param,
+            slo_class=entry.slo_class,
+            timeout_s=entry.timeout_s,
+            timeout_param=entry.timeout_param,
+        )
+
     def check_params(self, params: SamplingParams) -> None:
         """What `SamplingParams` cannot check alone: stop token ids within the vocabulary
         (`InvalidRequestError`) and max_tokens within the service limit (`BadRequestError`)."""
@@ -187,7 +209,7 @@ class Frontend:
 
     def prepare(
         self,
-        api_key: str | None,
+        tenant: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         n: int = 1,
@@ -196,11 +218,11 @@ class Frontend:
         timeout_s: float | None = None,
         timeout_param: str = "timeout",
     ) -> PreparedRequest:
-        """Authenticate, check limits, resolve the SLO class (`slo_class`: the one asked for,
-        if any) and route. Raises an `APIError` (→ 4xx) on bad input; `prompt_param` names
-        the prompt's field in errors about its length."""
+        """`admit`'s steps after tokenizing (`params` already checked): resolve the SLO class
+        (`slo_class`: the one asked for, if any), check the prompt and place it, set its
+        deadline and shed it when overloaded. Raises an `APIError` (→ 4xx) on bad input;
+        `prompt_param` names the prompt's field in errors about it."""
         started_ns = time.time_ns()
-        tenant = self.policy.tenant_for_key(api_key)
         service_class = self.classes.resolve(tenant, slo_class)
         route = self.placement.place(
             len(prompt_token_ids),
@@ -254,9 +276,8 @@ class Frontend:
     def _check_prompt(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt_param: str
     ) -> None:
-        """The sampling params within the service's limits, and prompt plus output within
-        the model (ids in the vocabulary, length within its context)."""
-        self.check_params(params)
+        """Prompt plus output within the model: ids in the vocabulary, length within its
+        context."""
         model = self.model_config
         try:
             check_prompt(prompt_token_ids, params, model.vocab_size, model.max_model_len)

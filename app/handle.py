@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from app.protocol import sampling_params
+from app.protocol import DEFAULT_MAX_TOKENS, sampling_params
 from engine.outputs import RequestOutput
 from engine.request import (
     MAX_LOGPROBS,
@@ -44,7 +44,7 @@ class GenerateRequest(BaseModel):
     )
     model: str | None = Field(None, description="Served model name; None = the one served.")
     api_key: str | None = Field(None, description="Tenant API key (when tenants are set).")
-    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, description="Most tokens to generate.")
     min_tokens: int = Field(0, ge=0, description="Fewest tokens to generate (<= max_tokens).")
     temperature: float = Field(1.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")

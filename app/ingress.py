@@ -44,10 +44,11 @@ from app.errors import (
 from app.frontend import Frontend, PreparedRequest
 from app.handle import GenerateChunk, GenerateRequest
 from app.observability.tracing import TracingMiddleware, configure_tracing
+from app.prepared import Entry
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
 from app.routing.fallback import FALLBACK_HEADER, MODEL_HEADER
-from engine.request import InvalidRequestError, SamplingParams
+from engine.request import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -220,64 +221,56 @@ class Ingress:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        api_key = _api_key(request)
-        self.frontend.authenticate(api_key)
+        tenant = self.frontend.authenticate(_api_key(request))
         raw = await self._body(request)
         body = CompletionRequest.model_validate(raw)
-        self.frontend.check_model(body.model)
-        params = body.to_sampling_params(default_max_tokens=16)
-        self.frontend.check_params(params)
-        slo_class = requested_class(request.headers, raw)
-        prompt_ids = await self.frontend.tokenize_prompt(body.prompt)
-        return await self._run(
-            request, api_key, body, prompt_ids, params, slo_class, CompletionBuilder, "prompt"
-        )
+        entry = self._entry(request, raw, body, prompt=body.prompt, prompt_param="prompt")
+        return await self._run(tenant, entry, body, CompletionBuilder)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        api_key = _api_key(request)
-        self.frontend.authenticate(api_key)
+        tenant = self.frontend.authenticate(_api_key(request))
         raw = await self._body(request)
         body = ChatCompletionRequest.model_validate(raw)
-        self.frontend.check_model(body.model)
-        # Checked before tokenizing; max_tokens' default depends on the prompt's length.
-        self.frontend.check_params(body.to_sampling_params(self.frontend.default_max_tokens(0)))
-        slo_class = requested_class(request.headers, raw)
-        prompt_ids = await self.frontend.tokenize_chat(body.chat_messages())
-        params = body.to_sampling_params(self.frontend.default_max_tokens(len(prompt_ids)))
-        return await self._run(
-            request, api_key, body, prompt_ids, params, slo_class, ChatBuilder, "messages"
+        entry = self._entry(
+            request, raw, body, messages=body.chat_messages(), prompt_param="messages"
+        )
+        return await self._run(tenant, entry, body, ChatBuilder)
+
+    @staticmethod
+    def _entry(
+        request: Request,
+        raw: dict[str, Any],
+        body: CompletionRequest | ChatCompletionRequest,
+        **prompt: Any,
+    ) -> Entry:
+        """The front door's view of an OpenAI body: its SLO class and deadline come from
+        the headers or the body (`requested_class`, `requested_timeout`)."""
+        timeout_s, timeout_param = requested_timeout(request.headers, body.timeout)
+        return Entry(
+            model=body.model,
+            sampling_params=body.to_sampling_params,
+            n=body.n,
+            slo_class=requested_class(request.headers, raw),
+            timeout_s=timeout_s,
+            timeout_param=timeout_param,
+            **prompt,
         )
 
     async def _run(
         self,
-        request: Request,
-        api_key: str | None,
+        tenant: str,
+        entry: Entry,
         body: CompletionRequest | ChatCompletionRequest,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        slo_class: str | None,
         builder_class: type[CompletionBuilder] | type[ChatBuilder],
-        prompt_param: str,
     ) -> Response:
-        """What both OpenAI routes do once the body is valid and tokenized: deadline,
-        limits and routing (`prompt_param` names the prompt's field in errors), then the
+        """What both OpenAI routes do once the body has its shape: the front door, then the
         answer as JSON or as server-sent events."""
-        timeout_s, timeout_param = requested_timeout(request.headers, body.timeout)
-        prepared = self.frontend.prepare(
-            api_key,
-            prompt_ids,
-            params,
-            body.n,
-            prompt_param,
-            slo_class=slo_class,
-            timeout_s=timeout_s,
-            timeout_param=timeout_param,
-        )
+        prepared = await self.frontend.admit(tenant, entry)
         builder = builder_class(
             self.frontend.model_name,
             n=body.n,
-            num_logprobs=params.logprobs,
+            num_logprobs=prepared.sampling_params.logprobs,
             tokens=self.token_strings,
         )
         return await self._respond(prepared, builder, body.stream, body.include_usage)
@@ -415,24 +408,20 @@ class Ingress:
         except pydantic.ValidationError as exc:
             message, param = validation_message(exc.errors(include_url=False))
             raise BadRequestError(message, param=param) from None
-        self.frontend.authenticate(request.api_key)
-        self.frontend.check_model(request.model)
-        try:
-            params = request.to_sampling_params()
-            self.frontend.check_params(params)
-        except InvalidRequestError as exc:
-            raise bad_request(exc) from None
-        prompt = request.prompt if request.prompt is not None else request.prompt_token_ids
-        prompt_ids = await self.frontend.tokenize_prompt(prompt or [])
-        prepared = self.frontend.prepare(
-            request.api_key,
-            prompt_ids,
-            params,
-            1,
-            prompt_param="prompt" if request.prompt is not None else "prompt_token_ids",
+        tenant = self.frontend.authenticate(request.api_key)
+        text = request.prompt is not None
+        entry = Entry(
+            model=request.model,
+            sampling_params=request.to_sampling_params,
+            prompt=request.prompt if text else request.prompt_token_ids,
+            prompt_param="prompt" if text else "prompt_token_ids",
             slo_class=request.slo_class,
             timeout_s=request.timeout,
         )
+        try:
+            prepared = await self.frontend.admit(tenant, entry)
+        except InvalidRequestError as exc:  # HTTP's error handlers are not in this path
+            raise bad_request(exc) from None
         async for _, delta in self.frontend.run(prepared):
             route = prepared.served.route or prepared.route  # the fallback's, if it served
             yield GenerateChunk.from_delta(delta, route.reason)

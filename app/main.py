@@ -100,37 +100,42 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
         "host": config.transfer.bind_host,
         "advertise_host": config.transfer.advertise_host,
     }
+
+    def bind(server: type, pool: PoolConfig, **role_args: Any) -> Any:
+        """`server` (a pool's deployment class) bound for `pool`: what both roles take,
+        then `role_args`."""
+        return (
+            _deployment(server)
+            .options(**_options(pool))
+            .bind(
+                config.engine_config(pool),
+                backend,
+                options,
+                pool=pool.name,
+                observers=(replica_metrics_factory(config, pool),),
+                telemetry=telemetry,
+                cpu_affinity=pool.cpu_affinity,
+                **role_args,
+            )
+        )
+
     prefill = {
-        pool.name: _deployment(PrefillServer)
-        .options(**_options(pool))
-        .bind(
-            config.engine_config(pool),
-            backend,
-            options,
-            pool=pool.name,
-            observers=(replica_metrics_factory(config, pool),),
-            telemetry=telemetry,
-            cpu_affinity=pool.cpu_affinity,
+        pool.name: bind(
+            PrefillServer,
+            pool,
             source_host=config.transfer.source_host,
             serves_decode=pool.serves_decode,
         )
         for pool in config.pools_by_role("prefill")
     }
     decode = {
-        pool.name: _deployment(DecodeServer)
-        .options(**_options(pool))
-        .bind(
-            config.engine_config(pool),
-            backend,
-            options,
+        pool.name: bind(
+            DecodeServer,
+            pool,
             deadline_s=config.transfer.deadline_s,
             breaker=config.overload.breaker.to_settings(),
             # The fallback pool runs its own model: it prefills every prompt itself.
             prefill_pools={} if pool.fallback else prefill,
-            pool=pool.name,
-            observers=(replica_metrics_factory(config, pool),),
-            telemetry=telemetry,
-            cpu_affinity=pool.cpu_affinity,
             receiver_endpoint=receiver_endpoint,
             calls=SERVE_CALLS,
         )

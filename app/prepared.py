@@ -1,16 +1,23 @@
-"""`PreparedRequest`: a request that passed every ingress check, as `Frontend.prepare` hands
-it to `Frontend.run` (and the fallback policy may move it to the fallback pool)."""
+"""A request on its way through the front door (`app/frontend.py`):
+
+    entry point ──Entry──▶ Frontend.admit (model, params, tokenize, class, place, shed)
+      ──PreparedRequest──▶ Frontend.run (quota, n choices on the decode pool, deltas)
+
+`Entry` is what an entry point (the OpenAI routes, the handle API) hands over once its body
+has the right shape; `PreparedRequest` is a request that passed every check (and the
+fallback policy may move it to the fallback pool)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from app.admission.classes import ServiceClass
 from app.admission.deadlines import Deadline
 from app.routing.fallback import Served
 from app.routing.pool_router import RouteDecision
-from engine.request import RequestSpec
+from engine.request import RequestSpec, SamplingParams
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,3 +32,20 @@ class PreparedRequest(RequestSpec):
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
     # Set when the fallback pool serves it (`app/routing/fallback.py`); shared by copies.
     served: Served = dataclasses.field(default_factory=Served)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Entry:
+    """One request as an entry point hands it to `Frontend.admit`: its body's shape is
+    validated, nothing else is checked yet. Exactly one of `prompt` (text or token ids) and
+    `messages` (a chat) is set."""
+
+    model: str | None  # the model asked for; None: the one served
+    sampling_params: Callable[[], SamplingParams]  # the body's; may raise InvalidRequestError
+    prompt: str | list[int] | None = None
+    messages: Sequence[Mapping[str, str]] | None = None
+    n: int = 1
+    prompt_param: str = "prompt"  # the prompt's field, named in errors about it
+    slo_class: str | None = None  # the class asked for, if any
+    timeout_s: float | None = None  # the deadline asked for, if any
+    timeout_param: str = "timeout"  # where it was asked for

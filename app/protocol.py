@@ -43,6 +43,9 @@ from engine.request import (
 if TYPE_CHECKING:
     from app.handle import GenerateRequest
 
+# Output tokens when a request names none (max_tokens omitted or null), on every entry point:
+# the OpenAI completions API's default. Ask for more explicitly (up to limits.max_output_tokens).
+DEFAULT_MAX_TOKENS = 16
 MAX_USER_CHARS = 256  # the `user` and message `name` strings (logged, never used)
 
 # ---------------------------------------------------------------------------------- requests
@@ -143,7 +146,9 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions. One prompt per request: batches of prompts are a 400."""
 
     prompt: str | TokenIds = Field(description="Text, token ids, or a list of one of either.")
-    max_tokens: int | None = Field(16, description="Tokens to generate; null = server default.")
+    max_tokens: int | None = Field(
+        DEFAULT_MAX_TOKENS, description="Tokens to generate; null = the default (16)."
+    )
     logprobs: int | None = Field(None, ge=0, le=5, description="Top alternatives per token.")
     echo: bool = Field(False, description="Unsupported if true.")
     suffix: str | None = Field(None, description="Unsupported if set.")
@@ -175,12 +180,12 @@ class CompletionRequest(_SamplingRequest):
         )
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine sampling params; `default_max_tokens` applies when max_tokens is null.
+    def to_sampling_params(self) -> SamplingParams:
+        """Engine sampling params; `DEFAULT_MAX_TOKENS` when max_tokens is null.
 
         Raises `InvalidRequestError` for out-of-range values.
         """
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         return sampling_params(self, max_tokens, self.logprobs)
 
 
@@ -224,7 +229,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessageParam] = Field(min_length=1, description="The conversation.")
     max_tokens: int | None = Field(None, description="Deprecated alias of the next field.")
-    max_completion_tokens: int | None = Field(None, description="Tokens to generate.")
+    max_completion_tokens: int | None = Field(
+        None, description="Tokens to generate; null (with max_tokens null) = the default (16)."
+    )
     logprobs: bool = Field(False, description="Return the sampled tokens' logprobs.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token.")
     tools: list[object] | None = Field(None, description="Unsupported if non-empty.")
@@ -253,14 +260,15 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as `{"role", "content"}` dicts, for `tokenizer.apply_chat_template`."""
         return [{"role": m.role, "content": m.text} for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine sampling params; max_completion_tokens wins over max_tokens, then the default.
+    def to_sampling_params(self) -> SamplingParams:
+        """Engine sampling params; max_completion_tokens wins over max_tokens, then
+        `DEFAULT_MAX_TOKENS`.
 
         Raises `InvalidRequestError` for out-of-range values.
         """
         max_tokens = next(
             v
-            for v in (self.max_completion_tokens, self.max_tokens, default_max_tokens)
+            for v in (self.max_completion_tokens, self.max_tokens, DEFAULT_MAX_TOKENS)
             if v is not None
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

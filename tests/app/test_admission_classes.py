@@ -111,7 +111,9 @@ def test_class_priority_is_the_generation_priority(model_dir: Path) -> None:
 
     async def run(slo_class: str | None) -> None:
         ids = await front.tokenize_prompt("hello there")
-        prepared = front.prepare("ka", ids, SamplingParams(max_tokens=1), 2, slo_class=slo_class)
+        prepared = front.prepare(
+            front.authenticate("ka"), ids, SamplingParams(max_tokens=1), 2, slo_class=slo_class
+        )
         assert prepared.service_class.name == (slo_class or "interactive")
         async for _ in front.run(prepared):
             pass

@@ -151,9 +151,14 @@ def test_ready_deltas_come_as_one_batch_in_order(front: Frontend) -> None:
         params = SamplingParams(max_tokens=5)
         batches = [
             [(i, d.new_text) for i, d in batch]
-            async for batch in front.run_batches(front.prepare(None, ids, params, n=2))
+            async for batch in front.run_batches(
+                front.prepare(front.authenticate(None), ids, params, n=2)
+            )
         ]
-        items = [(i, d.new_text) async for i, d in front.run(front.prepare(None, ids, params, n=2))]
+        items = [
+            (i, d.new_text)
+            async for i, d in front.run(front.prepare(front.authenticate(None), ids, params, n=2))
+        ]
         return batches, items
 
     batches, items = asyncio.run(collect())

@@ -17,6 +17,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from app.config import load_config
 from app.errors import BadRequestError, InternalServerError, ReplicaLostError, error_response
 from app.frontend import Frontend
+from app.prepared import Entry
 from engine.builtin import write_builtin_model
 from engine.outputs import RequestFailedError, RequestOutput
 from engine.request import InvalidRequestError, SamplingParams
@@ -98,7 +99,7 @@ def computing(front: Frontend) -> int:
 
 async def run_to_error(front: Frontend) -> tuple[list[str], BaseException]:
     prompt_ids = await front.tokenize_prompt("hello")
-    prepared = front.prepare(None, prompt_ids, SamplingParams(max_tokens=4))
+    prepared = front.prepare(front.authenticate(None), prompt_ids, SamplingParams(max_tokens=4))
     texts: list[str] = []
     with pytest.raises(Exception) as info:
         async for _, delta in front.run(prepared):
@@ -119,7 +120,7 @@ def test_a_prompt_computes_until_its_first_output_or_its_end(model_dir: Path) ->
         error = RequestFailedError("failed in the engine")
         front = frontend(model_dir, error, num_deltas=0, gate=gate)
         prompt_ids = await front.tokenize_prompt("hello")
-        prepared = front.prepare(None, prompt_ids, SamplingParams(max_tokens=4))
+        prepared = front.prepare(front.authenticate(None), prompt_ids, SamplingParams(max_tokens=4))
         first = asyncio.ensure_future(front.run(prepared).__anext__())
         for _ in range(100):  # until the stream was sent (it then waits at the gate)
             if computing(front):
@@ -164,7 +165,9 @@ def test_stop_token_ids_are_checked_against_the_vocabulary(model_dir: Path) -> N
     front.check_params(SamplingParams(stop_token_ids=(vocab - 1,)))
     for bad in (vocab, 10**9):
         with pytest.raises(InvalidRequestError, match="^stop_token_ids"):
-            front.prepare(None, [1, 2], SamplingParams(stop_token_ids=(bad,), min_tokens=1))
+            params = SamplingParams(stop_token_ids=(bad,), min_tokens=1)
+            entry = Entry(model=None, sampling_params=lambda p=params: p, prompt=[1, 2])
+            asyncio.run(front.admit(front.authenticate(None), entry))
 
 
 def test_prompt_ids_are_checked_once_with_the_prompt_named(model_dir: Path) -> None:
@@ -172,7 +175,9 @@ def test_prompt_ids_are_checked_once_with_the_prompt_named(model_dir: Path) -> N
     vocab = front.model_config.vocab_size
     for bad, message in (([1, vocab], "prompt token ids"), ([1, -1], "prompt token ids")):
         with pytest.raises(BadRequestError) as info:
-            front.prepare(None, bad, SamplingParams(max_tokens=4), prompt_param="messages")
+            front.prepare(
+                front.authenticate(None), bad, SamplingParams(max_tokens=4), prompt_param="messages"
+            )
         status, body = error_response(info.value)
         assert status == 400
         assert body["error"]["param"] == "messages"

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from app import errors
 from app.handle import GenerateRequest
 from app.protocol import (
+    DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     choice_sampling_params,
@@ -54,7 +55,7 @@ def test_completion_defaults_and_unknown_fields_ignored() -> None:
         False,
     )
     assert not req.include_usage
-    params = req.to_sampling_params(default_max_tokens=100)
+    params = req.to_sampling_params()
     assert params == SamplingParams(max_tokens=16)
 
 
@@ -155,9 +156,9 @@ def test_limits_at_the_bounds_are_accepted() -> None:
         user="u" * 256,
         best_of=1,
     )
-    params = req.to_sampling_params(16)
+    params = req.to_sampling_params()
     assert len(params.stop) == 4 and len(params.stop_token_ids) == 64
-    assert completion(seed=-(2**63)).to_sampling_params(16).seed == -(2**63)
+    assert completion(seed=-(2**63)).to_sampling_params().seed == -(2**63)
 
 
 def test_missing_fields_are_named() -> None:
@@ -224,8 +225,8 @@ def test_completion_to_sampling_params_maps_every_field() -> None:
         min_tokens=2,
         stop_token_ids=[5, 6],
     )
-    assert req.to_sampling_params(default_max_tokens=50) == SamplingParams(
-        max_tokens=50,
+    assert req.to_sampling_params() == SamplingParams(
+        max_tokens=DEFAULT_MAX_TOKENS,
         temperature=0.5,
         top_k=0,
         top_p=0.9,
@@ -243,13 +244,13 @@ def test_completion_to_sampling_params_maps_every_field() -> None:
 
 
 def test_chat_to_sampling_params() -> None:
-    assert chat().to_sampling_params(default_max_tokens=77).max_tokens == 77
-    assert chat(max_tokens=5).to_sampling_params(77).max_tokens == 5
-    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params(77).max_tokens == 9
-    assert chat().to_sampling_params(77).logprobs is None
-    assert chat(logprobs=True).to_sampling_params(77).logprobs == 0
-    assert chat(logprobs=True, top_logprobs=4).to_sampling_params(77).logprobs == 4
-    assert chat(stop=["a", "b"], top_k=5).to_sampling_params(77).stop == ("a", "b")
+    assert chat().to_sampling_params().max_tokens == DEFAULT_MAX_TOKENS
+    assert chat(max_tokens=5).to_sampling_params().max_tokens == 5
+    assert chat(max_tokens=5, max_completion_tokens=9).to_sampling_params().max_tokens == 9
+    assert chat().to_sampling_params().logprobs is None
+    assert chat(logprobs=True).to_sampling_params().logprobs == 0
+    assert chat(logprobs=True, top_logprobs=4).to_sampling_params().logprobs == 4
+    assert chat(stop=["a", "b"], top_k=5).to_sampling_params().stop == ("a", "b")
 
 
 @pytest.mark.parametrize(
@@ -267,7 +268,7 @@ def test_chat_to_sampling_params() -> None:
 )
 def test_out_of_range_values_are_400(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        completion(**fields).to_sampling_params(default_max_tokens=16)
+        completion(**fields).to_sampling_params()
     status, body = errors.error_response(info.value)
     assert status == 400
     assert body["error"]["param"] == param
@@ -491,7 +492,7 @@ def test_handle_and_openai_map_the_same_fields_to_the_same_params() -> None:
         "logprobs": 2,
     }
     from_handle = GenerateRequest.model_validate({"prompt": "hi", **shared}).to_sampling_params()
-    from_openai = completion(**shared).to_sampling_params(default_max_tokens=16)
+    from_openai = completion(**shared).to_sampling_params()
     assert from_handle == from_openai
     assert from_handle.min_tokens == 2 and from_handle.top_k == 5 and from_handle.logprobs == 2
 

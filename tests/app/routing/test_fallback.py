@@ -238,7 +238,9 @@ def _acme_batch_preparer(model_dir: Path) -> tuple[Frontend, Callable[[str | Non
 
     async def prepare(slo_class: str | None) -> Any:
         ids = await front.tokenize_prompt("a prompt for the prefill pool, long enough " * 2)
-        return front.prepare("k", ids, SamplingParams(max_tokens=4), slo_class=slo_class)
+        return front.prepare(
+            front.authenticate("k"), ids, SamplingParams(max_tokens=4), slo_class=slo_class
+        )
 
     return front, lambda slo_class: asyncio.run(prepare(slo_class))
 
