@@ -20,7 +20,6 @@ No FastAPI here: `app/ingress.py` adds HTTP on top.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -35,10 +34,8 @@ from opentelemetry import trace
 from app.admission.classes import ClassResolver
 from app.admission.controller import Admission, decode_pool_blocks, tenant_quotas
 from app.admission.overload import OverloadGuard
-from app.choices import cancel_choices, pump_choice, ready_items
 from app.config import PDServeConfig
 from app.errors import (
-    APIError,
     AuthenticationError,
     BadRequestError,
     ContextLengthExceededError,
@@ -46,10 +43,7 @@ from app.errors import (
     bad_request,
 )
 from app.observability.request_metrics import (
-    STATUS_CLIENT_GONE,
-    STATUS_OK,
     RequestMetrics,
-    RequestRecorder,
     SLOTargets,
 )
 from app.observability.telemetry import IngressTelemetry, route_span
@@ -58,18 +52,17 @@ from app.prepared import Entry, PreparedRequest
 from app.prompts import PromptTokenizer
 from app.routing.adaptive import AdaptivePrefill
 from app.routing.fallback import (
-    TRIGGER_BACKPRESSURE,
     TRIGGER_BREAKER,
     TRIGGER_SHED,
     FallbackPolicy,
     breaker_open,
     fallback_model_config,
-    is_backpressure,
 )
 from app.routing.log import RoutingLog
 from app.routing.overflow import DecodeOverflow
 from app.routing.placement import Placement
 from app.routing.pool_router import RouterPolicy
+from app.runner import RequestRunner
 from engine.builtin import resolve_model_dir
 from engine.loader import load_model_config, load_tokenizer
 from engine.outputs import RequestOutput
@@ -137,6 +130,17 @@ class Frontend:
         goodput = config.observability.metrics
         self.metrics = RequestMetrics(SLOTargets(goodput.goodput_ttft_s, goodput.goodput_tpot_s))
         self.telemetry = IngressTelemetry(config, self.tokenizer.decode)
+        self.runner = RequestRunner(
+            admission=self.admission,
+            overload=self.overload,
+            overflow=self.overflow,
+            fallback=self.fallback,
+            routing=self.routing,
+            metrics=self.metrics,
+            telemetry=self.telemetry,
+            decode_handles=self.decode_handles,
+            in_flight=self.in_flight,
+        )
 
     # ---- checks ----------------------------------------------------------------------
 
@@ -313,154 +317,16 @@ class Frontend:
 
     # ---- running ---------------------------------------------------------------------
 
-    async def run(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput]]:
-        """Stream `(choice index, delta)` of every choice until all have finished."""
-        async with contextlib.aclosing(self.run_batches(prepared)) as batches:
-            async for batch in batches:
-                for item in batch:
-                    yield item
+    def run(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput]]:
+        """Stream `(choice index, delta)` of every choice until all have finished
+        (`RequestRunner.run`)."""
+        return self.runner.run(prepared)
 
-    async def run_batches(
+    def run_batches(
         self, prepared: PreparedRequest
     ) -> AsyncGenerator[list[tuple[int, RequestOutput]]]:
-        """`run`, a list at a time: every `(index, delta)` ready by then, in arrival order
-        (a busy ingress writes them at once); each delta is still timed on its own."""
-        recorder = self._recorder(prepared)
-        telemetry = self.telemetry.start(
-            prepared.request_id,
-            prepared.tenant,
-            prepared.service_class.name,
-            prepared.route,
-            prepared.prompt_token_ids,
-        )
-        try:
-            admission = self.admission.admit(
-                prepared.tenant,
-                prepared.request_id,
-                len(prepared.prompt_token_ids),
-                prepared.n,
-                prepared.route.priority,
-                prepared.route.decode_pool,
-                prepared.sampling_params.max_tokens,
-            )
-            if prepared.deadline is not None:
-                admitted = await self.overload.within(prepared.deadline, admission)
-            else:
-                admitted = await admission
-        except APIError as exc:
-            if exc.status_code in (429, 503, 504):  # refused, or its deadline passed waiting
-                self.metrics.shed(recorder.labels, exc.code or "refused", exc.status_code)
-            recorder.finish(exc.status_code)
-            telemetry.finish(exc.status_code)
-            raise
-        except BaseException as exc:
-            failed = 500 if isinstance(exc, Exception) else STATUS_CLIENT_GONE
-            recorder.finish(failed)
-            telemetry.finish(failed)
-            raise
-        status = STATUS_CLIENT_GONE  # unless the loop below ends or raises
-        self.in_flight[prepared.tenant] += 1
-        self.routing.record(prepared)
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-        # `computing`: where the prompt computes and its length, until its first output
-        # (decode overflow's figure; None once reported computed).
-        computing: tuple[str, int] | None
-        tasks, timer, computing = self._start(prepared, queue)
-        started = False  # a delta was passed on: too late to move to the fallback pool
-        try:
-            remaining = prepared.n
-            while remaining:
-                batch: list[tuple[int, RequestOutput]] = []
-                for item in await ready_items(queue):
-                    if item is None:
-                        remaining -= 1
-                    elif isinstance(item, BaseException):
-                        fallback = None
-                        if not started and is_backpressure(item):
-                            fallback = self.fallback.move(prepared, TRIGGER_BACKPRESSURE)
-                        if fallback is None:
-                            if batch:  # the deltas before the error still reach the client
-                                yield batch
-                            raise item
-                        # The decode pool's queue is full: every choice starts over on the
-                        # fallback pool, on a fresh queue (the old one may get late items).
-                        cancel_choices(tasks, timer)
-                        self.overflow.ended(prepared.route.decode_pool, prepared.n)
-                        self._prompt_computed(computing)
-                        computing = None
-                        prepared = fallback
-                        recorder.labels.update(
-                            prefill_pool="local", decode_pool=fallback.route.decode_pool
-                        )
-                        self.routing.record(prepared)
-                        queue = asyncio.Queue()
-                        tasks, timer, computing = self._start(prepared, queue)
-                        remaining = prepared.n
-                        break  # what else was ready came from the old pool
-                    else:
-                        started = True
-                        self._prompt_computed(computing)
-                        computing = None
-                        admitted.on_output(len(item[1].new_token_ids))
-                        recorder.on_delta(*item)
-                        telemetry.on_delta(*item)
-                        batch.append(item)
-                if batch:
-                    yield batch
-            status = STATUS_OK
-        except APIError as exc:
-            status = exc.status_code
-            raise
-        except Exception:
-            status = 500
-            raise
-        finally:
-            recorder.finish(status)
-            telemetry.finish(status)
-            cancel_choices(
-                tasks, timer
-            )  # a client that went away cancels every choice on both pools
-            self.overflow.ended(prepared.route.decode_pool, prepared.n)
-            self._prompt_computed(computing)
-            self.in_flight[prepared.tenant] -= 1
-            admitted.release()
-
-    def _start(
-        self, prepared: PreparedRequest, queue: asyncio.Queue
-    ) -> tuple[list[asyncio.Task[None]], asyncio.TimerHandle | None, tuple[str, int]]:
-        """Start every choice's stream into `queue`; at the deadline a 504 error joins it
-        (the caller then cancels every choice). Tells decode overflow of the streams and of
-        the prompt (returned: the pool it computes on, its length); `run_batches` ends both."""
-        route = prepared.route
-        handle = self.decode_handles[route.decode_pool]
-        tasks = [
-            asyncio.create_task(pump_choice(handle, prepared, i, queue)) for i in range(prepared.n)
-        ]
-        self.overflow.started(route.decode_pool, prepared.n)
-        pool = route.decode_pool if route.local_prefill else route.prefill_pool
-        computing = (pool or route.decode_pool, len(prepared.prompt_token_ids))
-        self.overflow.prompt_started(*computing)
-        return tasks, self.overload.deadline_timer(prepared.deadline, queue), computing
-
-    def _prompt_computed(self, computing: tuple[str, int] | None) -> None:
-        """Its first output came back, or it ended or moved to the fallback pool."""
-        if computing is not None:
-            self.overflow.prompt_computed(*computing)
-
-    def _recorder(self, prepared: PreparedRequest) -> RequestRecorder:
-        """Start the request's metrics (labels: tenant, class, pools; its class's targets)."""
-        route, service_class = prepared.route, prepared.service_class
-        labels = RequestMetrics.labels(
-            prepared.tenant,
-            service_class.name,
-            None if route.local_prefill else route.prefill_pool,
-            route.decode_pool,
-        )
-        default = self.metrics.default_slo
-        slo = SLOTargets(
-            service_class.ttft_s or default.ttft_s, service_class.tpot_s or default.tpot_s
-        )
-        return self.metrics.start(labels, len(prepared.prompt_token_ids), slo)
+        """`run`, a list at a time (`RequestRunner.run_batches`)."""
+        return self.runner.run_batches(prepared)
 
     def routing_report(self) -> dict[str, Any]:
         """The routing decisions of this ingress replica (`RoutingLog.report`)."""
