@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from engine.kv_cache import KVCacheSpec
+from kvtransfer import base
 from kvtransfer.base import (
     ChecksumMismatchError,
     KVLayout,
@@ -24,6 +26,15 @@ from kvtransfer.base import (
 SPEC = KVCacheSpec(
     num_layers=30, num_blocks=100, block_size=16, num_kv_heads=3, head_dim=64, dtype="float32"
 )
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The monotonic clock tickets read, stopped: `clock[0]` is now until a test moves it."""
+    now = [1000.0]
+    fake = SimpleNamespace(monotonic=lambda: now[0], time_ns=time.time_ns)
+    monkeypatch.setattr(base, "time", fake)
+    return now
 
 
 def test_layout_comes_from_the_spec_without_num_blocks() -> None:
@@ -46,24 +57,26 @@ def test_mismatch_error_lists_every_differing_field() -> None:
     ours.check_matches(KVLayout.from_spec(SPEC, "a"))  # equal: no error
 
 
-def test_ticket_is_small_frozen_and_picklable() -> None:
+def test_ticket_is_small_frozen_and_picklable(clock: list[float]) -> None:
     layout = KVLayout.from_spec(SPEC, "m")
     ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4, 9, 2), layout, new_epoch(), 30.0)
     assert pickle.loads(pickle.dumps(ticket)) == ticket
     assert len(pickle.dumps(ticket)) < 1024
     with pytest.raises(dataclasses.FrozenInstanceError):
         ticket.epoch = 1  # type: ignore[misc]
-    assert ticket.num_blocks == 3 and 29.0 < ticket.seconds_left() <= 30.0
+    assert ticket.num_blocks == 3 and ticket.seconds_left() == pytest.approx(30.0)
 
 
-def test_ticket_deadline_travels_as_the_time_left() -> None:
+def test_ticket_deadline_travels_as_the_time_left(clock: list[float]) -> None:
     """No wall-clock instant crosses hosts: a copy counts down from what was left."""
     layout = KVLayout.from_spec(SPEC, "m")
     ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4,), layout, 1, 0.5)
-    time.sleep(0.2)
+    clock[0] += 0.2
     copy = pickle.loads(pickle.dumps(ticket))
-    assert copy.deadline_s <= ticket.seconds_left() + 0.01 and copy.deadline_s <= 0.31
-    assert abs(copy.expires_at - ticket.expires_at) < 0.05  # same host: same instant
+    assert copy.deadline_s == pytest.approx(0.3) == ticket.seconds_left()
+    assert copy.expires_at == pytest.approx(ticket.expires_at)  # same host: same instant
+    clock[0] += 0.3
+    assert copy.seconds_left() == pytest.approx(0.0) == ticket.seconds_left()
 
 
 def test_states_terminal_and_wire_codes() -> None:

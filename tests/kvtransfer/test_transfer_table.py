@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtransfer import table as table_module
 from kvtransfer.base import TransferAbortedError, TransferState, UnknownTransferError
 from kvtransfer.table import TransferRecord, TransferTable
 
@@ -82,37 +84,41 @@ def test_unbound_transfer_is_not_fenced() -> None:
     assert released == ["r"]
 
 
-def test_fence_times_out_in_sweep() -> None:
+def test_fence_times_out_in_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]  # the table's monotonic clock, moved by hand
+    monkeypatch.setattr(table_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     released: list[str] = []
     t = table(released, on_done=False, fence_timeout_s=0.05)
     rec = t.add(record())
     t.bind(rec, object())
     t.finish("r", TransferState.EXPIRED, fence_if_bound=True)
     t.sweep()
+    now[0] += 0.04
+    t.sweep()
     assert released == []
-    time.sleep(0.08)
+    now[0] += 0.02
     t.sweep()
     assert released == ["r"]
 
 
 def test_release_waits_for_the_local_writer() -> None:
-    released: list[float] = []
-    t = TransferTable(lambda rid: released.append(time.monotonic()), release_on_done=False)
+    events: list[str] = []
+    t = TransferTable(lambda rid: events.append("released"), release_on_done=False)
     rec = t.add(record())
     entered = threading.Event()
 
     def writer() -> None:
         with rec.write_lock:
             entered.set()
-            time.sleep(0.1)
+            time.sleep(0.1)  # finish() below is called meanwhile (or later: then trivially)
+            events.append("writer done")
 
     th = threading.Thread(target=writer)
     th.start()
-    entered.wait()
-    start = time.monotonic()
+    assert entered.wait(10.0)
     t.finish("r", TransferState.ABORTED)
     th.join()
-    assert released and released[0] - start >= 0.08
+    assert events == ["writer done", "released"]
 
 
 def test_overdue_wait_and_tombstones() -> None:
