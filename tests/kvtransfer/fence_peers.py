@@ -1,16 +1,19 @@
-"""Child side of the fencing tests: senders whose layer writes are slow enough to be stopped
-halfway through (SIGSTOP) by the parent.
+"""Child side of the fencing tests: senders that stop themselves (SIGSTOP, the whole
+process) in the middle of writing layer `STOP_LAYER`, for the parent to find stopped.
 
-`SlowShmWriting` copies a batch of layers block by block under the record's write_lock, as
-`ShmWriting` does in one native call, with a pause after each block; `SlowTcpWriting` sends
-each LAYER frame's payload in pieces with a pause between them. `progress` (a shared int
-without a lock: the process may be stopped at any instruction) says which layer is being
-written, so the parent can stop the process mid-write.
+`StoppingShmWriting` copies a batch of layers block by block under the record's write_lock,
+as `ShmWriting` does in one native call, and stops after the first block of that layer;
+`StoppingTcpWriting` sends each LAYER frame's payload in pieces and stops after the first
+piece of that layer. Stopping itself, rather than being stopped by the parent once it saw
+the layer begin, puts the stop mid-layer however late the parent runs. `progress` (a shared
+int) says which layer is being written.
 """
 
 from __future__ import annotations
 
 import ctypes
+import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -29,10 +32,17 @@ from kvtransfer.tcp import TcpWriting
 from kvtransfer.wire import _HEADER, MAGIC, Kind
 from kvtransfer.wire import Connection as Link
 
-PAUSE_S = 0.15  # after each block (shm) or payload piece (tcp)
+STOP_LAYER = 1
 
 
-class SlowShmWriting(ShmWriting):
+def stop_here() -> None:
+    """Stop this process (every thread) until the parent sends SIGCONT or SIGKILL. Sent to
+    this thread: a signal sent to the process may be taken by another thread, and this one
+    would write on until the stop reached it."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
+class StoppingShmWriting(ShmWriting):
     def __init__(self, spec: KVCacheSpec, progress: ctypes.c_int) -> None:
         super().__init__(spec)
         self.progress = progress
@@ -50,15 +60,17 @@ class SlowShmWriting(ShmWriting):
                 assert item.src_ids is not None
                 self.progress.value = item.layer
                 src_k, src_v = block_rows(item.k_cache), block_rows(item.v_cache)
-                for src, dst in zip(item.src_ids, item.ticket.block_ids, strict=True):
+                pairs = zip(item.src_ids, item.ticket.block_ids, strict=True)
+                for i, (src, dst) in enumerate(pairs):
                     rows[item.layer, 0, dst] = src_k[src]
                     rows[item.layer, 1, dst] = src_v[src]
-                    time.sleep(PAUSE_S)
+                    if item.layer == STOP_LAYER and i == 0:
+                        stop_here()
         for item in items:
             conn.fs.send(Kind.LAYER, record.request_id, epoch=item.ticket.epoch, layer=item.layer)
 
 
-class SlowTcpWriting(TcpWriting):
+class StoppingTcpWriting(TcpWriting):
     def __init__(self, progress: ctypes.c_int) -> None:
         super().__init__()
         self.progress = progress
@@ -69,25 +81,25 @@ class SlowTcpWriting(TcpWriting):
         for item in items:
             if record.state.is_terminal:
                 return
-            self._write_slowly(conn, record, item)
+            self._write_in_pieces(conn, record, item)
 
-    def _write_slowly(self, conn: Link, record: TransferRecord, item: LayerItem) -> None:
+    def _write_in_pieces(self, conn: Link, record: TransferRecord, item: LayerItem) -> None:
         payload = b"".join(self.payload(record, item))
         rid = record.request_id.encode()
         head = _HEADER.pack(
             MAGIC, Kind.LAYER, 0, len(rid), item.layer, item.ticket.epoch, len(payload), 0
         )
-        pieces = 4
-        step = -(-len(payload) // pieces)
+        step = -(-len(payload) // 4)
         with conn.fs._send_lock:  # the whole frame, as FrameSocket.send writes it
             conn.fs.sock.sendall(head + rid)
             self.progress.value = item.layer
             for start in range(0, len(payload), step):
-                time.sleep(PAUSE_S)
                 conn.fs.sock.sendall(payload[start : start + step])
+                if item.layer == STOP_LAYER and start == 0:
+                    stop_here()
 
 
-def slow_send(
+def stopping_send(
     backend: str,
     spec: KVCacheSpec,
     src_ids: tuple[int, ...],
@@ -95,8 +107,11 @@ def slow_send(
     progress: ctypes.c_int,
     conn: Connection,
 ) -> None:
-    """Say "ready", take a ticket, send every layer slowly, then report the sender's view."""
-    writing = SlowShmWriting(spec, progress) if backend == "shm" else SlowTcpWriting(progress)
+    """Say "ready", take a ticket, send every layer (stopping mid-`STOP_LAYER`), then report
+    the sender's view."""
+    writing = (
+        StoppingShmWriting(spec, progress) if backend == "shm" else StoppingTcpWriting(progress)
+    )
     released: list[str] = []
     sender = Sender(spec, writing, model_id="test-model", release=released.append, options=options)
     cache = source_cache(spec, 0)

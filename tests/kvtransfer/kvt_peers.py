@@ -63,6 +63,9 @@ class SendJob:
     model_id: str = "test-model"
     options: TransferOptions = field(default_factory=TransferOptions)
     layer_delay_s: float = 0.0  # simulated compute before each layer
+    # after sending these layers, tell the parent ("held", layer) and wait for its "go"
+    # (`Peer.held`, `Peer.go`): the next layer is not computed before the parent looked
+    hold_after_layers: frozenset[int] | set[int] = frozenset()
     abort_after_layer: int | None = None  # sender aborts every ticket after it (-1: first)
     hang_after_layer: int | None = None  # send_then_hang: stall after this layer
     finish: bool = True
@@ -143,8 +146,9 @@ def make_sender(job: SendJob, released: list[str], extra: dict[str, object]) -> 
     )
 
 
-def run_job(job: SendJob) -> dict[str, object]:
-    """Do the job; report per-ticket final states, errors, releases and timestamps."""
+def run_job(job: SendJob, conn: Connection | None = None) -> dict[str, object]:
+    """Do the job; report per-ticket final states, errors, releases and timestamps. Holds
+    (`hold_after_layers`) talk to the parent over `conn`."""
     released: list[str] = []
     cache = source_cache(job.spec, job.seed)
     extra: dict[str, object] = {}
@@ -173,6 +177,10 @@ def run_job(job: SendJob) -> dict[str, object]:
             if job.abort_after_layer == layer:
                 for ticket, _ in job.tickets:
                     sender.abort(ticket.request_id)
+            if layer in job.hold_after_layers:
+                assert conn is not None, "a job with holds runs under `serve`"
+                conn.send(("held", layer))
+                assert conn.recv() == "go"
         result["t_last_computed"] = time.perf_counter()
         if job.finish:
             for ticket, _ in job.tickets:
@@ -197,7 +205,7 @@ def serve(conn: Connection) -> None:
     """Run jobs from `conn` until None arrives."""
     while (job := conn.recv()) is not None:
         try:
-            conn.send(run_job(job))
+            conn.send(run_job(job, conn))
         except Exception as exc:  # report, keep serving
             conn.send({"exception": repr(exc)})
 
@@ -263,6 +271,19 @@ class Peer:
         result = self.conn.recv()
         assert "exception" not in result, result
         return result
+
+    def held(self, timeout_s: float = 30.0) -> int:
+        """The layer after which the running job holds (`SendJob.hold_after_layers`)."""
+        assert self._pending
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError("prefill process did not reach its hold")
+        message = self.conn.recv()
+        assert isinstance(message, tuple) and message[0] == "held", message
+        return int(message[1])
+
+    def go(self) -> None:
+        """Let a held job compute its next layer."""
+        self.conn.send("go")
 
     def run(self, job: SendJob) -> dict[str, object]:
         self.start(job)

@@ -274,7 +274,9 @@ def test_wrong_secret_is_refused_with_nothing_but_authentication_failed(
             assert header.kind is Kind.REFUSE
             assert body == {"error": "AuthenticationError", "message": "authentication failed"}
             assert closed_by_peer(raw.fs.sock)
-        assert receiver.endpoint_stats()["auth_failed"] == 3
+        # the prefill's refusal is counted on its connection's thread after the REFUSE went
+        # out; the raw senders' before their connection closed
+        assert eventually(lambda: receiver.endpoint_stats()["auth_failed"] == 3, 10.0)
         assert receiver.poll("x") is TransferState.PENDING  # nothing was written
         assert not receiver.kv_cache.flat.any()
         good_transfer(peer, backend, receiver, "after-wrong-secret")

@@ -1,10 +1,11 @@
 """KV ownership is fenced: a sender process stopped (SIGSTOP) or killed mid-write never
 writes into blocks that were released and handed to another request.
 
-Each test runs a real sender process (`fence_peers.slow_send`) that is stopped in the middle
-of writing layer 1, past the ticket's deadline and the fence timeout. The release callback
-plays the decode engine: it records the blocks' bytes, then hands them to "another request"
-by filling them with a sentinel; the sentinel must survive everything the sender does later.
+Each test runs a real sender process (`fence_peers.stopping_send`) that stops itself in the
+middle of writing layer 1 and stays stopped past the ticket's deadline and the fence timeout.
+The release callback plays the decode engine: it records the blocks' bytes, then hands them
+to "another request" by filling them with a sentinel; the sentinel must survive everything
+the sender does later.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from fence_peers import slow_send
+from fence_peers import STOP_LAYER, stopping_send
 from kvt_peers import FAST, eventually, reap, source_cache, spec
 
 from engine.kv_cache import KVCacheSpec
@@ -31,9 +32,9 @@ pytestmark = pytest.mark.timeout(120)
 SPEC = spec(num_layers=4, num_blocks=32)
 SRC, DST = (1, 2, 3), (20, 9, 14)
 OPTIONS = dataclasses.replace(FAST, fence_timeout_s=0.5)
-DEADLINE_S = 1.5  # from opening the ticket; the sender is stopped well before it
+DEADLINE_S = 2.0  # from opening the ticket: time to connect and reach layer 1, then stopped
 SENTINEL = 7.0
-LATER_S = 0.5  # past the fence timeout: many reaper ticks in which nothing may happen
+LATER_S = 0.5  # once the fence timed out: many reaper ticks in which nothing may happen
 
 
 @dataclass
@@ -68,6 +69,12 @@ def source_blocks(s: KVCacheSpec, layer: int) -> torch.Tensor:
     return torch.stack([source.key_caches[layer][list(SRC)], source.value_caches[layer][list(SRC)]])
 
 
+def is_stopped(pid: int) -> bool:
+    """The process is stopped by a signal (state T in /proc)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def all_sentinel(receiver: Receiver) -> bool:
     cache = receiver.kv_cache
     return all(bool((layer_blocks(cache, i) == SENTINEL).all()) for i in range(SPEC.num_layers))
@@ -75,7 +82,8 @@ def all_sentinel(receiver: Receiver) -> bool:
 
 @dataclass
 class StoppedSender:
-    """A sender process stopped while writing layer 1 of the ticket "t"."""
+    """A sender process stopped while writing layer 1 of the ticket "t" (it stopped itself
+    there: `fence_peers.stop_here`)."""
 
     receiver: Receiver
     handover: Handover
@@ -101,16 +109,17 @@ def stopped(request: pytest.FixtureRequest) -> Iterator[StoppedSender]:
     progress = ctx.RawValue("i", -1)
     parent, child = ctx.Pipe()
     process = ctx.Process(
-        target=slow_send, args=(backend, SPEC, SRC, OPTIONS, progress, child), daemon=True
+        target=stopping_send, args=(backend, SPEC, SRC, OPTIONS, progress, child), daemon=True
     )
     process.start()
     try:
         assert parent.poll(60.0) and parent.recv() == "ready"
         parent.send(receiver.open_ticket("t", DST, DEADLINE_S))
-        assert eventually(lambda: progress.value == 1, 30.0), "layer 1 never started"
-        assert process.pid is not None
-        os.kill(process.pid, signal.SIGSTOP)
-        at_stop = layer_blocks(receiver.kv_cache, 1).clone()
+        pid = process.pid
+        assert pid is not None
+        assert eventually(lambda: is_stopped(pid), 30.0), "it never stopped in layer 1"
+        assert progress.value == STOP_LAYER
+        at_stop = layer_blocks(receiver.kv_cache, STOP_LAYER).clone()
         yield StoppedSender(receiver, handover, process, parent, at_stop)
     finally:
         if process.pid is not None and process.is_alive():
@@ -119,13 +128,25 @@ def stopped(request: pytest.FixtureRequest) -> Iterator[StoppedSender]:
         receiver.close()
 
 
+def outlast_the_fence(receiver: Receiver) -> None:
+    """Wait until the fence of the ended transfer timed out (its blocks quarantined: the
+    writer still runs), then through many reaper ticks in which nothing may change."""
+
+    def quarantined() -> bool:
+        return receiver.transfer_counts()["num_quarantined"] == 1
+
+    assert eventually(quarantined, 10.0), receiver.transfer_counts()
+    time.sleep(LATER_S)
+    assert quarantined()
+
+
 @pytest.mark.parametrize("stopped", ["shm"], indirect=True)
 def test_stopped_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges(
     stopped: StoppedSender,
 ) -> None:
     receiver, handover = stopped.receiver, stopped.handover
     assert receiver.wait("t", 10.0) is TransferState.EXPIRED
-    time.sleep(OPTIONS.fence_timeout_s + LATER_S)  # the fence timed out meanwhile
+    outlast_the_fence(receiver)
     assert handover.ids == [], "released while the writer was stopped mid-copy"
     counts = receiver.transfer_counts
     assert counts()["num_quarantined"] == 1
@@ -149,7 +170,7 @@ def test_stopped_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges(
 def test_killed_stopped_shm_sender_releases_its_blocks_once_dead(stopped: StoppedSender) -> None:
     receiver, handover = stopped.receiver, stopped.handover
     assert receiver.wait("t", 10.0) is TransferState.EXPIRED
-    time.sleep(OPTIONS.fence_timeout_s + LATER_S)  # the fence timed out meanwhile
+    outlast_the_fence(receiver)
     assert handover.ids == [], "released while the writer was stopped mid-copy"
     counts = receiver.transfer_counts
     assert counts()["num_quarantined"] == 1
@@ -170,7 +191,7 @@ def test_connection_cut_by_the_receiver_keeps_a_live_writers_blocks(
     for conn in list(receiver.connections):
         conn.fs.close()
     assert receiver.wait("t", 10.0) is TransferState.FAILED
-    time.sleep(OPTIONS.fence_timeout_s + LATER_S)  # the fence timed out meanwhile
+    outlast_the_fence(receiver)
     assert handover.ids == [], "released while the writer was stopped mid-copy"
     assert receiver.transfer_counts()["num_quarantined"] == 1
     os.kill(stopped.pid, signal.SIGCONT)  # its copy goes on, then it sees the EOF and exits

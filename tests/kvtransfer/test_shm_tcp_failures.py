@@ -110,12 +110,16 @@ def test_abort_from_decode_side_frees_both(peer: Peer, backend: str) -> None:
     s = spec(6)
     with make_receiver(backend, s, released) as receiver:
         ticket = receiver.open_ticket("a", (9, 3, 30), 20.0)
-        peer.start(SendJob(backend, s, ((ticket, (0, 1, 2)),), layer_delay_s=0.1, options=FAST))
-        assert eventually(lambda: layers_landed(receiver, "a") >= 2, 10.0)
+        # held mid-transfer: two of three layers sent, no FINISH yet
+        job = SendJob(backend, s, ((ticket, (0, 1, 2)),), hold_after_layers={1}, options=FAST)
+        peer.start(job)
+        assert peer.held() == 1
+        assert eventually(lambda: layers_landed(receiver, "a") == 2, 10.0)
         receiver.abort("a")
         receiver.abort("a")  # idempotent
         assert receiver.poll("a") is TransferState.ABORTED
         assert released.wait_for("a")
+        peer.go()  # the prefill goes on sending what nobody takes any more
         result = peer.result()
         assert result["states"] == {"a": "aborted"}
         assert result["released"] == ["a"]

@@ -215,7 +215,11 @@ def test_stale_epoch_is_refused(pair: Pair) -> None:
 def test_an_unused_connection_is_kept_open_for_the_next_transfer(backend: str) -> None:
     """Pings keep the connection past the receiver's idle timeout: the next transfer needs
     no new handshake (nor, on shm, a new mapping of the receiver's cache)."""
-    p = Pair(backend, options=dataclasses.replace(OPTIONS, idle_timeout_s=0.4))
+    # Pings go every idle_timeout_s / 4 and the sender replaces a connection unpinged for
+    # half the timeout: a keepalive thread late by a quarter of it (a loaded machine) would
+    # count as a failure, so the timeout is long enough for that quarter to be 0.5 s.
+    idle_timeout_s = 2.0
+    p = Pair(backend, options=dataclasses.replace(OPTIONS, idle_timeout_s=idle_timeout_s))
     try:
         for rid in ("before", "after"):
             ticket = p.receiver.open_ticket(rid, [1, 2], 10.0)
@@ -224,7 +228,7 @@ def test_an_unused_connection_is_kept_open_for_the_next_transfer(backend: str) -
             assert p.receiver.wait(rid, WAIT_S) is TransferState.DONE
             if rid == "before":
                 connections = set(p.sender.connections)
-                time.sleep(1.2)  # three idle timeouts
+                time.sleep(1.5 * idle_timeout_s)  # past the receiver's idle timeout
         assert set(p.sender.connections) == connections and len(connections) == 1
         stats = p.receiver.endpoint_stats()
         assert stats["connections"] == 1 and "idle_timeout" not in stats, stats
