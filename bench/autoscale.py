@@ -4,10 +4,11 @@ from the capacity measured on this machine in the same run.
 The config (`configs/<name>.yaml`, default `cpu-autoscale`) is first deployed with every pool
 fixed at its minimum replicas, and closed-loop probes measure what that fleet takes of each
 stressing request shape (`bench.capacity`); the ramp's rates follow from it
-(`bench.autoscale_plan`: the prefill peak at `--prefill-load` x the prefill shape's capacity,
-the decode peak at the rate that keeps `--decode-overshoot` x the decode pool's target of
-running sequences in flight, the low phases at `--low-load` x the lower peak). `--rate R`
-skips the probes: an absolute ramp, low at R and both peaks at `--peak` x R.
+(`bench.autoscale_plan`: the prefill peak at `--load` x the prefill shape's capacity, the
+decode peak at the rate at which the decode pool, read at each probe point, runs
+`--decode-overshoot` x its target of running sequences, at most `--load` x the decode shape's
+capacity, the low phases at `--low-load` x the lower peak). `--rate R` skips the probes: an
+absolute ramp, low at R and both peaks at `--peak` x R.
 
 Then the config is deployed as written on a private Ray instance (`bench.serve_app`). Requests
 arrive as a Poisson process whose rate and shape follow the ramp
@@ -53,7 +54,7 @@ from typing import Any
 import httpx
 
 from bench.autoscale_load import Ramp, Record, Shape, arrival_times, request_body, send, stress_ramp
-from bench.autoscale_plan import DECODE_OVERSHOOT, LOW_LOAD, PREFILL_LOAD, fixed_rates
+from bench.autoscale_plan import DECODE_OVERSHOOT, LOW_LOAD, PEAK_LOAD, fixed_rates
 from bench.autoscale_probe import measure_rates
 from bench.autoscale_report import (
     attribute,
@@ -216,16 +217,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--peak", type=float, default=4.0, help="with --rate: peak = rate x this")
     parser.add_argument(
-        "--prefill-load",
+        "--load",
         type=float,
-        default=PREFILL_LOAD,
-        help="prefill peak = this x the measured prefill capacity",
+        default=PEAK_LOAD,
+        help="each peak at most this x its shape's measured capacity (prefill: exactly)",
     )
     parser.add_argument(
         "--decode-overshoot",
         type=float,
         default=DECODE_OVERSHOOT,
-        help="decode peak: the rate holding this x target_running_seqs per minimum replica",
+        help="decode peak: where the minimum pool runs this x its target_running_seqs",
     )
     parser.add_argument(
         "--low-load", type=float, default=LOW_LOAD, help="low rate = this x the lower peak"
@@ -303,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary["rates"] = {
         "low": rates.low,
         "peaks": rates.peaks,
-        "prefill_load": None if args.rate is not None else args.prefill_load,
+        "load": None if args.rate is not None else args.load,
         "decode_overshoot": None if args.rate is not None else args.decode_overshoot,
         "low_load": None if args.rate is not None else args.low_load,
     }

@@ -7,12 +7,13 @@ complete inside a window of `duration_s` seconds that opens `warmup_s` after the
 throughput X(C) in requests/s. By Little's law an open (Poisson) arrival process at rate X(C)
 keeps about C requests in the service.
 
-`find_saturation(measure)` doubles the concurrency from `start` while the throughput still
-grows by at least `min_gain` (relative) and stops at `max_concurrency`; the capacity is the
-highest throughput seen, the rate past which requests only queue. `bench chaos` and `bench
-autoscale` size their load from it on the machine they run on (so a phase stresses what it
-claims to on any machine, loaded or not); `bench compare` and `bench overload` find a goodput
-knee against SLOs instead (`bench/knee.py`), which those two benches' workloads do not have.
+`find_saturation(measure)` doubles the concurrency from `start` until `patience` (2)
+doublings in a row raise the throughput by less than `min_gain` (10%), or past
+`max_concurrency`; the capacity is the highest throughput seen, the rate past which requests
+only queue. `bench chaos` and `bench autoscale` size their load from it on the machine they
+run on (so a phase stresses what it claims to on any machine, loaded or not); `bench compare`
+and `bench overload` find a goodput knee against SLOs instead (`bench/knee.py`), which those
+two benches' workloads do not have.
 
 No I/O of its own: `closed_loop` awaits the `send` it is given, `find_saturation` the
 `measure`.
@@ -70,23 +71,27 @@ async def find_saturation(
     start: int = 1,
     max_concurrency: int = 32,
     min_gain: float = 0.1,
+    patience: int = 2,
 ) -> Capacity:
-    """Measure at concurrency `start`, 2 x `start`, ... until a doubling raises the
-    throughput by less than `min_gain` of the best so far, or past `max_concurrency`
-    (`measure`: typically `closed_loop` with the bench's own request)."""
+    """Measure at concurrency `start`, 2 x `start`, ... until `patience` doublings in a row
+    each raise the throughput by less than `min_gain` of the best before them, or past
+    `max_concurrency` (`measure`: typically `closed_loop` with the bench's own request).
+    One flat point is not enough to stop: on a shared machine a point can come out low."""
     if start < 1 or max_concurrency < start:
         raise ValueError(f"need 1 <= start <= max_concurrency, got {start}, {max_concurrency}")
-    if min_gain < 0:
-        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+    if min_gain < 0 or patience < 1:
+        raise ValueError(f"need min_gain >= 0 and patience >= 1, got {min_gain}, {patience}")
     points: list[LoadPoint] = []
     best = 0.0
+    flat = 0  # doublings in a row that gained less than min_gain
     concurrency = start
     while concurrency <= max_concurrency:
         point = await measure(concurrency)
         points.append(point)
-        if len(points) > 1 and point.throughput < best * (1 + min_gain):
-            return Capacity(max(best, point.throughput), points, saturated=True)
+        flat = flat + 1 if len(points) > 1 and point.throughput < best * (1 + min_gain) else 0
         best = max(best, point.throughput)
+        if flat >= patience:
+            return Capacity(best, points, saturated=True)
         concurrency *= 2
     return Capacity(best, points, saturated=False)
 

@@ -60,7 +60,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 PROBE_TIMEOUT_S = 20.0
 CAPACITY_METHOD = (
     "closed-loop saturation with the run's mix: concurrency doubled from 1 until the "
-    "throughput gains < 10%; capacity = the best throughput of requests completed correctly"
+    "throughput gains < 10% twice in a row; capacity = the best throughput of requests "
+    "completed with their reference text"
 )
 
 

@@ -9,6 +9,7 @@ import pytest
 from app.config import load_config
 from bench.autoscale_load import Shape, stress_ramp
 from bench.autoscale_plan import (
+    decode_peak,
     decode_probe_concurrency,
     fixed_at_minimum,
     fixed_rates,
@@ -39,12 +40,29 @@ def test_fixed_pools_keep_their_count() -> None:
     assert fleet == {"prefill": 2, "decode": 3}
 
 
-def test_decode_probe_overshoots_the_target_on_the_minimum_pool() -> None:
-    assert decode_probe_concurrency(3, 1) == 8  # cpu-autoscale: 2.5 x 3 running x 1 replica
-    assert decode_probe_concurrency(3, 2, overshoot=2.0) == 12
+def test_decode_probe_starts_at_the_target_of_the_minimum_pool() -> None:
+    assert decode_probe_concurrency(3, 1) == 3  # cpu-autoscale: 3 running x 1 replica
+    assert decode_probe_concurrency(3, 2, overshoot=1.5) == 9
     assert decode_probe_concurrency(2.5, 1, overshoot=1.5) == 4  # rounded up
     with pytest.raises(ValueError):
         decode_probe_concurrency(0, 1)
+
+
+def test_the_decode_peak_is_where_the_pool_runs_its_overshot_target() -> None:
+    # (running sequences read from the pool, throughput) at 3, 6, 12 in flight.
+    points = [(1.5, 2.5), (3.5, 4.0), (7.5, 6.0)]
+    assert decode_peak(points, running=6.0, capacity=9.0, load=0.8) == pytest.approx(5.25)
+    assert decode_peak(points, running=3.5, capacity=9.0, load=0.8) == 4.0
+    # Below the first point or past the last one: in proportion (Little's law).
+    assert decode_peak(points, running=0.75, capacity=9.0) == pytest.approx(1.25)
+    assert decode_peak(points[:2], running=7.0, capacity=20.0) == pytest.approx(8.0)
+
+
+def test_the_decode_peak_stays_below_the_knee() -> None:
+    # Streaming saturates the machine before the pool runs its target: the peak is capped.
+    points = [(0.8, 4.0), (1.2, 5.5), (1.4, 5.7)]
+    assert decode_peak(points, running=6.0, capacity=5.7, load=0.8) == pytest.approx(4.56)
+    assert decode_peak([(0.0, 4.0)], running=6.0, capacity=5.0, load=0.8) == 4.0  # no reading
 
 
 def test_rates_follow_the_measured_capacity() -> None:
