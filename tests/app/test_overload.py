@@ -207,7 +207,7 @@ def test_deadline_counts_down_and_maps_to_504() -> None:
 
 def test_within_raises_deadline_exceeded() -> None:
     async def main() -> None:
-        deadline = Deadline.start(0.05)
+        deadline = Deadline.start(0.05, Clock())  # stopped: 0.05 s left for either call
         assert await OverloadGuard.within(deadline, asyncio.sleep(0, result=7)) == 7
         with pytest.raises(DeadlineExceededError):
             await OverloadGuard.within(deadline, asyncio.Event().wait())

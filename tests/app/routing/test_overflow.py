@@ -508,10 +508,14 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         assert serving.replica.counters["whole_requests"] == 1
         # The engine loop publishes its occupancy after the step that ended the request.
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
-        while (stats := asyncio.run(serving.record_routing_stats()))["num_sequences"]:
+        while True:
+            before_s = time.perf_counter()  # the report reads its clock in between
+            stats = asyncio.run(serving.record_routing_stats())
+            after_s = time.perf_counter()
+            if not stats["num_sequences"]:
+                break
             assert time.monotonic() < deadline, stats
             time.sleep(0.01)
-        age_s = time.perf_counter() - serving.engine.started_at  # the replica is < 30 s old
         assert stats["admission"]["num_active"] == 0
         # The prompt took one step, the 11 other tokens one each: the rate is the prompt's.
         prompt_steps = list(serving.engine.prompt_steps)
@@ -519,10 +523,13 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         assert len(serving.engine.step_times) == 12
         rate = len(prompt) / prompt_steps[0][1]
         assert stats["prefill_tokens_per_s"] == pytest.approx(rate)
-        # busy over the replica's life so far (younger than the 30 s window), at least 1 s
-        assert age_s < SIGNAL_WINDOW_S
-        span_s = max(age_s, MIN_BUSY_SPAN_S)
-        assert stats["prompt_busy"] == pytest.approx(prompt_steps[0][1] / span_s, rel=0.05)
+        # busy over the replica's life so far (younger than the 30 s window), at least 1 s:
+        # the replica's age when it reported lies between the two readings around the call
+        busy_s, started_at = prompt_steps[0][1], serving.engine.started_at
+        assert after_s - started_at < SIGNAL_WINDOW_S
+        least = busy_s / max(after_s - started_at, MIN_BUSY_SPAN_S)
+        most = busy_s / max(before_s - started_at, MIN_BUSY_SPAN_S)
+        assert least * (1 - 1e-9) <= stats["prompt_busy"] <= most * (1 + 1e-9)
         occupancy = serving.replica.loop.occupancy
         assert occupancy["num_free_blocks"] == occupancy["num_blocks"]
         with pytest.raises(RuntimeError, match="does not serve whole requests"):
