@@ -27,6 +27,8 @@ from bench.serve_app import RunningApp
 from bench.sse import sse_lines
 
 PROBE_WARMUP_S = 1.0  # per point: requests ending sooner are not counted
+# Short requests batch well: throughput can still grow past 32 in flight (BENCHMARKS.md).
+MAX_PROBE_CONCURRENCY = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +123,10 @@ def _error_outcome(status: int, raw: bytes) -> Outcome:
 
 
 async def measure_capacity(
-    app: RunningApp, shapes: list[Shape], args: argparse.Namespace
+    app: RunningApp,
+    shapes: list[Shape],
+    args: argparse.Namespace,
+    max_concurrency: int = MAX_PROBE_CONCURRENCY,
 ) -> Capacity:
     """The saturation capacity (`bench.capacity.find_saturation`, `--probe-s` per point) of
     the run's mix: prompts drawn from `shapes` as the load draws them, half streamed. A
@@ -147,4 +152,4 @@ async def measure_capacity(
             )
             return result
 
-        return await find_saturation(point, max_concurrency=32)
+        return await find_saturation(point, max_concurrency=max_concurrency)

@@ -1,4 +1,5 @@
-"""`pdserve bench serve` end to end against the default app on the tiny model.
+"""`pdserve bench serve` end to end against the default app on the tiny model, and the
+capacity probe that `pdserve bench chaos` sizes its load from, against the same app.
 
 A ~20-second run at a low Poisson rate with a small mixed workload, through the CLI
 dispatcher, the load generator and the metrics; the output JSON must be complete and sane.
@@ -6,6 +7,8 @@ dispatcher, the load generator and the metrics; the output JSON must be complete
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from app.cli import main
+from bench.chaos_requests import measure_capacity, request_pool, with_references
 
 if TYPE_CHECKING:
     from bench.serve_app import RunningApp
@@ -80,3 +84,18 @@ def test_bench_serve_e2e(
     usd = USD_PER_HOUR * summary["duration_s"] / 3600
     assert server["cost"]["usd_per_1m_tokens"] == pytest.approx(usd / tokens * 1e6)
     assert server["cost"]["usd_per_request"] == pytest.approx(usd / summary["num_completed"])
+
+
+def test_chaos_capacity_probe(bench_server: RunningApp) -> None:
+    """A closed-loop saturation search with the chaos mix (short and long prompts, half
+    streamed): the concurrency doubles from 1, every probe request completes with its
+    reference text, and the capacity is the best throughput measured."""
+    shapes = with_references(request_pool(3, 3, seed=0), bench_server.args)
+    options = argparse.Namespace(seed=0, request_timeout=60.0, probe_s=2.0)
+    capacity = asyncio.run(measure_capacity(bench_server, shapes, options, max_concurrency=8))
+
+    concurrencies = [p.concurrency for p in capacity.points]
+    assert concurrencies == [2**k for k in range(len(concurrencies))] and concurrencies[-1] <= 8
+    assert capacity.requests_per_s == max(p.throughput for p in capacity.points) > 0
+    assert all(p.failed == 0 for p in capacity.points), capacity.to_dict()
+    assert all(p.completed + p.failed <= p.sent for p in capacity.points)
