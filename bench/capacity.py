@@ -56,7 +56,7 @@ class Capacity:
 
     requests_per_s: float
     points: list[LoadPoint] = field(default_factory=list)
-    saturated: bool = False  # the last doubling gained less than `min_gain`
+    saturated: bool = False  # the last doubling gained less than `min_gain`: past the knee
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -75,7 +75,8 @@ async def find_saturation(
 ) -> Capacity:
     """Measure at concurrency `start`, 2 x `start`, ... until `patience` doublings in a row
     each raise the throughput by less than `min_gain` of the best before them, or past
-    `max_concurrency` (`measure`: typically `closed_loop` with the bench's own request).
+    `max_concurrency` (`measure`: typically `closed_loop` with the bench's own request);
+    `saturated` says whether the last doubling gained less than that.
     One flat point is not enough to stop: on a shared machine a point can come out low."""
     if start < 1 or max_concurrency < start:
         raise ValueError(f"need 1 <= start <= max_concurrency, got {start}, {max_concurrency}")
@@ -93,7 +94,7 @@ async def find_saturation(
         if flat >= patience:
             return Capacity(best, points, saturated=True)
         concurrency *= 2
-    return Capacity(best, points, saturated=False)
+    return Capacity(best, points, saturated=flat > 0)
 
 
 async def closed_loop(

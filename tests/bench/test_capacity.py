@@ -54,6 +54,12 @@ def test_unsaturated_at_the_concurrency_cap() -> None:
     assert not capacity.saturated and capacity.requests_per_s == 8.0
     capacity, asked = _search({6: 5.0, 12: 7.0, 24: 8.0}, start=6, max_concurrency=24)
     assert asked == [6, 12, 24] and not capacity.saturated
+    # At the cap after a doubling that lost throughput: past the knee, if only once.
+    capacity, asked = _search(
+        {16: 30.0, 32: 33.0, 64: 38.0, 128: 25.0}, start=16, max_concurrency=128
+    )
+    assert asked == [16, 32, 64, 128]
+    assert capacity.saturated and capacity.requests_per_s == 38.0
 
 
 def test_search_arguments_are_checked() -> None:
