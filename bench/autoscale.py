@@ -22,7 +22,7 @@ of base load. Every `--sample-s` the RUNNING replicas of each pool are read from
 the load the pools get `--settle-s` to scale back to their minimum.
 
 The pools' policies log each scaling decision with the signal that drove it and its metric
-values (`app.autoscaling`); the bench reads them from the Serve controller's log, pairs each
+values (`app.serve.autoscaling`); the bench reads them from the Serve controller's log, pairs each
 replica change with its decision and gives a verdict per pool (`bench.autoscale_report`).
 Every request that did not complete (HTTP error, error event, cut stream, timeout) counts as
 `failed`: the goal is 0, as scaling (starting, draining, stopping replicas) must never fail a
