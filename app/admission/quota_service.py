@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -215,7 +215,11 @@ class QuotaService:
 
     def __init__(self, tenants: Mapping[str, tuple[TenantQuota, int | None]]) -> None:
         actor = ray.remote(QuotaLedger).options(num_cpus=0, max_concurrency=LEDGER_MAX_CONCURRENCY)
-        self._ledger: Any = actor.remote(tenants)
+        self._ledger: Any = cast(Any, actor.remote(tenants))
+        # The ledger starts a worker process, which a loaded machine can take longer to do
+        # than HEALTH_TIMEOUT_S: Serve's first health check follows this constructor, so the
+        # replica is constructed once the ledger answers (a constructor has no deadline).
+        ray.get(self._ledger.stats.remote())
 
     async def ledger(self) -> Any:
         """The ledger's actor handle (ingress replicas call it directly)."""
