@@ -147,7 +147,7 @@ def make_sender(job: SendJob, released: list[str], extra: dict[str, object]) -> 
 
 
 def run_job(job: SendJob, conn: Connection | None = None) -> dict[str, object]:
-    """Do the job; report per-ticket final states, errors, releases and timestamps. Holds
+    """Do the job; report per-ticket final states, errors and releases. Holds
     (`hold_after_layers`) talk to the parent over `conn`."""
     released: list[str] = []
     cache = source_cache(job.spec, job.seed)
@@ -167,7 +167,6 @@ def run_job(job: SendJob, conn: Connection | None = None) -> dict[str, object]:
         if job.abort_after_layer == -1:  # before any layer (after connect, if asked)
             for ticket, _ in job.tickets:
                 sender.abort(ticket.request_id)
-        result["t_first_send"] = time.perf_counter()
         for layer in range(job.spec.num_layers):
             if job.layer_delay_s:
                 time.sleep(job.layer_delay_s)
@@ -181,7 +180,6 @@ def run_job(job: SendJob, conn: Connection | None = None) -> dict[str, object]:
                 assert conn is not None, "a job with holds runs under `serve`"
                 conn.send(("held", layer))
                 assert conn.recv() == "go"
-        result["t_last_computed"] = time.perf_counter()
         if job.finish:
             for ticket, _ in job.tickets:
                 sender.finish(ticket)
