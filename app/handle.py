@@ -5,11 +5,13 @@
         print(chunk.text, end="")
 
 Calls go to the pdserve ingress deployment through `serve.get_app_handle(...)`, so they
-share its authentication, limits, router and quotas with the HTTP API.
+share its authentication, limits, router and quotas with the HTTP API. The application is
+found by its ingress (`app.serve.apps.find_app_name`), whatever Serve named it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -113,11 +115,21 @@ class GenerateChunk(BaseModel):
 
 
 async def generate(
-    request: GenerateRequest, app_name: str = "pdserve"
+    request: GenerateRequest, app_name: str | None = None
 ) -> AsyncIterator[GenerateChunk]:
-    """Stream a completion from a running pdserve application in this Ray cluster."""
+    """Stream a completion from a running pdserve application in this Ray cluster.
+
+    `app_name`: the Serve application to call; None finds the one pdserve application
+    running (`default` under `serve run app.main:app`, the file's `name` under a config
+    file), and raises `AppNotFoundError` when there is none or several. Naming it saves a
+    call to the Serve controller per request.
+    """
     from ray import serve
 
+    from app.serve.apps import find_app_name
+
+    if app_name is None:
+        app_name = await asyncio.to_thread(find_app_name)  # blocks on the Serve controller
     handle: Any = serve.get_app_handle(app_name).options(stream=True)
     async for chunk in handle.generate.remote(request):
         yield chunk

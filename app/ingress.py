@@ -37,6 +37,7 @@ from app.errors import (
     PayloadTooLargeError,
     ServiceUnavailableError,
     bad_request,
+    error_json_response,
     error_response,
     install_error_handlers,
     validation_message,
@@ -48,12 +49,12 @@ from app.prepared import Entry
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
 from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
 from app.routing.fallback import FALLBACK_HEADER, MODEL_HEADER
+from app.serve.apps import own_app_name
+from app.serve.readiness import Readiness
 from engine.request import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TTL_S = 1.0  # /health answers from a probe at most this old
-HEALTH_TIMEOUT_S = 5.0  # a pool that does not answer a probe within this is not ready
 STATS_TIMEOUT_S = 5.0  # per pool, for /v1/pdserve/stats
 
 # The docs routes are ours (below), so that config can turn them on: this app object is
@@ -67,12 +68,6 @@ api = FastAPI(
 )
 install_error_handlers(api)
 api.add_middleware(TracingMiddleware)  # a span per request; x-trace-id on every response
-
-
-def _num_running(replica_states: Mapping[Any, int]) -> int:
-    return sum(
-        n for state, n in replica_states.items() if getattr(state, "value", state) == "RUNNING"
-    )
 
 
 def _replica_name() -> str:
@@ -123,9 +118,11 @@ class Ingress:
         self.pools: dict[str, Any] = {**prefill_pools, **decode_pools}
         self.token_strings = TokenStrings(self.frontend.tokenizer)
         self.created = int(time.time())
-        self._probe: asyncio.Future[bool] | None = None
-        self._is_ready = False
-        self._ready_checked_at = -math.inf
+        # The app Serve deployed us in, by the name Serve gave it: `serve run app.main:app`
+        # calls it "default", a config file what its `name` says (not config.app_name).
+        self.readiness = Readiness(
+            own_app_name(), self.pools, observe=self.frontend.telemetry.cost.observe_replicas
+        )
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -282,12 +279,13 @@ class Ingress:
         return ModelList(data=[card]).model_dump(mode="json")
 
     @api.get("/health")
-    async def health(self) -> dict[str, Any]:
+    async def health(self) -> Response:
         """`{"status": "ok"}` when every pool has a healthy replica, else 503 (nothing more:
-        no host names or pids). Probes are shared and cached for `HEALTH_TTL_S`."""
-        if not await self._ready():
-            raise ServiceUnavailableError("not ready", code="not_ready")
-        return {"status": "ok"}
+        no host names or pids). Probes are shared and cached (`app/serve/readiness.py`); a
+        change of state is logged once, and a 503 here is an answer, not an error to log."""
+        if not await self.readiness.is_ready():
+            return error_json_response(ServiceUnavailableError("not ready", code="not_ready"))
+        return JSONResponse({"status": "ok"})
 
     @api.get("/v1/pdserve/stats")
     async def stats(self, request: Request) -> dict[str, Any]:
@@ -297,7 +295,7 @@ class Ingress:
         finished since) and unit cost. With tenants configured, only admin keys may read it."""
         self.frontend.check_admin(_api_key(request))
         since = _since(request)
-        await self._ready()  # refreshes the replica counts behind unit cost
+        await self.readiness.is_ready()  # refreshes the replica counts behind unit cost
         report = {"routing": self.frontend.routing_report(), "pools": await self._pool_stats()}
         if self.quota_service is not None:
             report["quotas"] = await self._quota_stats()
@@ -326,46 +324,6 @@ class Ingress:
     @staticmethod
     def _openapi_url(request: Request) -> str:
         return f"{request.scope.get('root_path', '').rstrip('/')}/openapi.json"
-
-    async def _ready(self) -> bool:
-        if time.monotonic() - self._ready_checked_at < HEALTH_TTL_S:
-            return self._is_ready
-        if self._probe is None:
-            self._probe = asyncio.ensure_future(self._probe_pools())
-        # Shielded: a caller that goes away must not cancel the probe the others wait on.
-        return await asyncio.shield(self._probe)
-
-    async def _probe_pools(self) -> bool:
-        """Ready when the Serve controller counts a RUNNING replica in every pool.
-
-        Serve runs each replica's `check_health` (engine loop alive and progressing) and
-        only counts replicas that pass as RUNNING. Asking the controller, rather than the
-        pools, means a pool saturated with requests is not mistaken for a dead one.
-        """
-        try:
-            status = await asyncio.wait_for(
-                asyncio.to_thread(serve.status), timeout=HEALTH_TIMEOUT_S
-            )
-            app = status.applications.get(self.config.app_name)
-            deployments = app.deployments if app is not None else {}
-            self.frontend.telemetry.cost.observe_replicas(
-                {
-                    name: _num_running(deployments[name].replica_states)
-                    for name in self.pools
-                    if name in deployments
-                }
-            )
-            ready = all(
-                name in deployments and _num_running(deployments[name].replica_states) > 0
-                for name in self.pools
-            )
-        except Exception as exc:  # noqa: BLE001 - a controller not answering means not ready
-            logger.warning("health probe failed: %r", exc)
-            ready = False
-        finally:
-            self._probe = None
-        self._is_ready, self._ready_checked_at = ready, time.monotonic()
-        return ready
 
     async def _quota_stats(self) -> dict[str, Any]:
         """The quota ledger's per-tenant state, or `{"error": ...}` (bounded like a pool)."""

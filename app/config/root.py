@@ -90,7 +90,18 @@ class PDServeConfig(_Strict):
         default_factory=ObservabilitySettings,
         description="Tracing, request log and unit cost.",
     )
-    app_name: str = Field(default="pdserve", min_length=1, description="Serve application name.")
+    app_name: str = Field(
+        default="pdserve",
+        min_length=1,
+        description=(
+            "The application's `name` in a Serve config file (the two must agree). It keys "
+            "the app's KV-transfer secret in Ray's internal KV store (apps sharing a cluster "
+            "need distinct names) and names the app the benchmarks deploy. Nothing at run "
+            "time finds the app by it: Serve names the app where it is deployed (`default` "
+            "under `serve run app.main:app`), the ingress asks Serve for its own app's name, "
+            "and the handle API finds the app by its ingress deployment."
+        ),
+    )
     route_prefix: str = Field(default="/", pattern=r"^/", description="HTTP route prefix.")
 
     @property
@@ -336,7 +347,8 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> PDServeCo
     args = app.get("args") or {}
     if not isinstance(args, Mapping):
         raise ConfigError("applications[0].args must be a mapping")
-    # Serve hands build_app only `args`, so they must repeat the file's name, prefix and port.
+    # Serve hands build_app only `args`, so they must repeat the file's name (the key of the
+    # app's KV secret), prefix and port.
     config = PDServeConfig.model_validate(args)
     http = data.get("http_options") or {}
     for field, ours, theirs in [

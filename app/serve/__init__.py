@@ -1,2 +1,3 @@
 """Everything that touches Ray Serve's API: the replica router, the pools' autoscaling
-policies, and the call helpers (a call's routing identity, Serve's backpressure error)."""
+policies, the call helpers (a call's routing identity, Serve's backpressure error), which
+application is pdserve (`apps.py`) and whether its pools are ready (`readiness.py`)."""
