@@ -7,6 +7,7 @@ replica holds handles to every prefill pool), and the HTTP ingress in front.
 
 from __future__ import annotations
 
+import atexit
 import secrets
 from functools import partial
 from typing import Any
@@ -17,10 +18,12 @@ from ray.serve.config import RequestRouterConfig
 from app.admission.controller import tenant_quotas
 from app.admission.quota_service import QUOTA_SERVICE_OPTIONS, QuotaService
 from app.config import PDServeConfig, PoolConfig, load_config
+from app.driver_exit import exit_cleanly
 from app.ingress import Ingress
 from app.observability.replica_metrics import replica_metrics_factory
 from app.observability.tracing import check_exporter, configure_tracing
 from app.routing.fallback import check_fallback_model
+from app.serve.apps import INGRESS_DEPLOYMENT
 from app.serve.calls import SERVE_CALLS
 from decode.server import DecodeServer
 from kvtransfer import TransferOptions
@@ -142,7 +145,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
         for pool in config.pools_by_role("decode")
     }
     ingress = _deployment(Ingress).options(
-        name="ingress",
+        name=INGRESS_DEPLOYMENT,  # how the handle API tells pdserve from other apps
         num_replicas=config.ingress.num_replicas,
         ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=1000,
@@ -162,4 +165,9 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     )
 
 
+# Registered after Ray's own atexit handler, so it runs first: the torch and engine modules
+# imported here make the exit of `serve run app.main:app`'s driver outlast the abort Ray
+# arms on SIGTERM, and the replicas of its cluster die without unlinking their KV segments
+# (app/driver_exit.py).
+atexit.register(exit_cleanly)
 app = build_app()

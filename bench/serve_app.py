@@ -27,6 +27,7 @@ import httpx
 import yaml
 
 from app.config import ConfigError, load_config
+from app.driver_exit import cancel_abort_alarm
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ def running_app(
             time.sleep(0.5)
         yield RunningApp(url, port, args)
     finally:
+        # A SIGTERM that brought us here armed Ray's 3 s abort; draining outlasts it.
+        cancel_abort_alarm()
         with contextlib.suppress(Exception):
             serve.shutdown()
         ray.shutdown()

@@ -1,9 +1,11 @@
 """`shm`: same-host transfer; the prefill process writes straight into decode's KV cache.
 
 The receiver creates its cache in a POSIX shared-memory segment (`/dev/shm/pdkv-*`, unlinked
-at close, by its resource tracker if it dies, or by the next receiver's sweep of dead
-owners). The sender maps it (`map_segment`: never creates one) and copies each layer's blocks
-there (`kvtransfer.rowcopy`: one native call with streaming stores for large transfers).
+at close, by its resource tracker if it dies, by the next receiver's sweep of dead owners,
+or by the driver that stops the cluster: `app/driver_exit.py`; Ray kills a stopping
+replica's tracker with it). The sender maps it (`map_segment`: never creates one) and
+copies each layer's blocks there (`kvtransfer.rowcopy`: one native call with streaming
+stores for large transfers).
 Control frames, without payload, go over an abstract Unix socket. As the sender writes our
 memory itself, an ended transfer's blocks stay fenced until its ABORT_ACK or the connection
 drops, and past the fence timeout quarantined until the ABORT_ACK or until its process
@@ -77,11 +79,17 @@ def list_segments() -> list[str]:
     return []
 
 
+def segment_owner(segment: str) -> int | None:
+    """The pid of the receiver that created `segment` (named `pdkv-<pid>-<random>`)."""
+    pid = segment.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
 def sweep_orphans() -> None:
     """Unlink default-named segments whose owner pid is gone and that nobody serves."""
     for segment in list_segments():
-        pid = segment.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and _start_time(int(pid)) is None and not _is_served(segment):
+        pid = segment_owner(segment)
+        if pid is not None and _start_time(pid) is None and not _is_served(segment):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, segment))
 
