@@ -376,4 +376,5 @@ def load_model(
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     finish_loading(model)
+    model.pack_weights()
     return model.eval()

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kernels import paged_attention, write_kv_cache
+from engine.kernels.linear import linear, linear_ref, pack_linear_weight, uses_onednn
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.norm_rope import apply_rope, rms_norm
 from engine.kv_cache import TORCH_DTYPES, KVCache
@@ -87,22 +88,38 @@ class RotaryEmbedding(nn.Module):
 
 
 class Linear(nn.Module):
-    """`y = x @ W^T + b` with W stored transposed (`weight_t`: `[in, out]`, contiguous).
+    """`y = x @ W^T + b`, loaded as `weight_t` (`[in, out]`, contiguous).
 
-    Same math as `nn.Linear`, other layout: on the CPU, MKL's GEMM for the few-row inputs
-    of a decode step (e.g. 16 rows) runs 4-5x faster on `[in, out]` weights than on
-    `nn.Linear`'s `[out, in]`, and as fast for prefill-sized inputs.
+    Where `engine.kernels.linear.uses_onednn` (CPU bfloat16; float32 off Intel) `pack()`
+    then moves the weight into oneDNN's blocked layout: `weight_packed` replaces `weight_t`
+    (same bytes, logical shape `[out, in]`) and every call is one oneDNN matmul. Elsewhere
+    `x @ weight_t` runs: MKL's GEMM for a decode step's few rows is 4-5x faster on `[in, out]`
+    than on `nn.Linear`'s `[out, in]` (and bit-identical), cuBLAS takes either layout.
     """
+
+    weight_t: nn.Parameter | None
+    weight_packed: nn.Parameter | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight_packed = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [.., out]
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+        if self.weight_packed is not None:
+            return linear(x, self.weight_packed, self.bias)
+        assert self.weight_t is not None
+        return linear_ref(x, self.weight_t, self.bias)
+
+    def pack(self) -> None:
+        """Once the weight is loaded: pack it for `engine.kernels.linear` where that runs."""
+        if self.weight_t is None or not uses_onednn(self.weight_t):
+            return
+        packed = pack_linear_weight(self.weight_t.detach())
+        assert packed is not None
+        self.weight_packed = nn.Parameter(packed, requires_grad=False)
+        self.weight_t = None
 
 
 def projection(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -157,7 +174,9 @@ class Attention(nn.Module):
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (None, None)
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale, k_scale, v_scale)
+        out = paged_attention(
+            q, k_cache, v_cache, metadata, self.scale, k_scale, v_scale, key=k, value=v
+        )
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -261,6 +280,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather_last(self.lm_head(hidden))  # [num_rows, padded vocab]
         return logits[:, : self.config.vocab_size] if self.tp.size > 1 else logits
+
+    def pack_weights(self) -> None:
+        """After loading: projections move to the CPU's packed layout (`Linear.pack`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights, fusing q/k/v and gate/up. Missing or extra

@@ -5,10 +5,13 @@ Sequence `i` owns query rows `query_start_loc[i]:query_start_loc[i + 1]`; they a
 are already in the cache. Each query attends causally to every context position up to its
 own. Grouped-query attention: head `h` reads kv head `h // (num_heads // num_kv_heads)`.
 
-On the CPU, decode sequences (one query each) run as one batch: gather their blocks, view
-the queries as `[num_seqs, kvH, group, D]` so each kv head serves its whole query group, and
-call SDPA's fused CPU kernel with a padding mask. Prefill sequences run one by one through
-the same kernel with native GQA and an offset causal mask (no K/V repeat copies anywhere).
+On the CPU, decode sequences (one query each) run as one batch through
+`engine.kernels.decode_attention` (a C kernel reading each context once; its torch form
+gathers the blocks and calls SDPA). Prompts computed whole in the step attend
+to the step's new K/V when the caller passes them (no gather), each run of adjacent
+equal-length ones in one call; other prefill sequences run one by one through the same
+kernel on their gathered blocks with an offset causal mask. GQA is native everywhere (no
+K/V repeat copies).
 
 An FP8 cache (`engine.kernels.fp8`) is read through its per-head scales without a dequantizing
 pass: FP8 values convert exactly to the query's dtype, the K scale is folded into each
@@ -18,12 +21,11 @@ head's query (`q·(s·k) = (s·q)·k`) and the V scale applied to each head's ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
 from engine.kernels._checks import FLOAT_DTYPES, check_kv_caches
+from engine.kernels.decode_attention import decode_attention
 from engine.kernels.fp8 import check_kv_scales, dequantize_per_head, is_fp8
 from engine.kernels.metadata import AttentionMetadata
 
@@ -70,6 +72,8 @@ def paged_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's new tokens over their sequences' paged KV cache.
 
@@ -82,6 +86,10 @@ def paged_attention(
         scale: multiplier of `q @ k^T` (usually `head_dim ** -0.5`).
         k_scale, v_scale: float32 `[num_kv_heads]` dequantization scales of an FP8 cache
             (stored value * scale = K or V); None for any other cache.
+        key, value: optionally the step's new K/V `[num_tokens, num_kv_heads, head_dim]`,
+            as just written to the cache: on the CPU, prompts computed whole in this step
+            attend to them directly (no gather), runs of equal-length ones in one call.
+            Ignored for an FP8 cache (attention reads the stored values) and on CUDA.
 
     Returns:
         `[num_tokens, num_heads, head_dim]` in the query's dtype; softmax runs in float32.
@@ -101,7 +109,22 @@ def paged_attention(
         scaled_query = (query.float() * k_heads).to(query.dtype)
         out = _attend(scaled_query, k_cache, v_cache, metadata, scale)
         return (out.float() * v_heads).to(query.dtype)
+    if key is not None and value is not None:
+        _check_new_kv(query, key, value, k_cache)
+        return _attend(query, k_cache, v_cache, metadata, scale, (key, value))
     return _attend(query, k_cache, v_cache, metadata, scale)
+
+
+def _check_new_kv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
+) -> None:
+    expected = (query.shape[0], *k_cache.shape[2:])
+    if key.shape != expected or value.shape != expected:
+        raise ValueError(
+            f"key/value must be {list(expected)}, got {tuple(key.shape)}/{tuple(value.shape)}"
+        )
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"key/value {key.dtype}/{value.dtype} must be the query's {query.dtype}")
 
 
 def _attend(
@@ -110,10 +133,11 @@ def _attend(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The CPU paths; the cache's values are read as the query's dtype."""
     if metadata.is_decode_only:
-        return _decode(
+        return decode_attention(
             query,
             k_cache,
             v_cache,
@@ -122,41 +146,7 @@ def _attend(
             metadata.seq_lens_list,
             scale,
         )
-    return _mixed(query, k_cache, v_cache, metadata, scale)
-
-
-def _decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_list: Sequence[int],
-    scale: float,
-) -> torch.Tensor:
-    """One query per sequence, all sequences in one fused call."""
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    num_blocks = -(-max(seq_lens_list) // block_size)
-    ctx_len = num_blocks * block_size
-    # Gather is one contiguous copy per block; block table padding (block 0) is masked below.
-    block_ids = block_tables[:, :num_blocks].reshape(-1)
-    # [num_seqs, kvH, ctx_len, D] strided views over the gathered blocks
-    keys = k_cache.index_select(0, block_ids).to(query.dtype)
-    values = v_cache.index_select(0, block_ids).to(query.dtype)
-    keys = keys.view(num_seqs, ctx_len, num_kv_heads, head_dim)
-    values = values.view(num_seqs, ctx_len, num_kv_heads, head_dim)
-    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-    # [num_seqs, kvH, group, D]: each kv head attends for its whole query group at once
-    queries = query.reshape(num_seqs, num_kv_heads, group, head_dim)
-    mask = None
-    if min(seq_lens_list) < ctx_len:
-        positions = torch.arange(ctx_len, device=query.device)
-        # [num_seqs, 1, 1, ctx_len] True where the key position is inside the context
-        mask = (positions < seq_lens[:, None]).view(num_seqs, 1, 1, ctx_len)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(num_seqs, num_heads, head_dim)
+    return _mixed(query, k_cache, v_cache, metadata, scale, new_kv)
 
 
 def _prefill_one(
@@ -196,24 +186,72 @@ def _prefill_one(
     return out[0].transpose(0, 1)  # [query_len, num_heads, D]
 
 
+def _fresh_prompts(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: int,
+    num_seqs: int,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """`num_seqs` adjacent prompts of `seq_len` tokens, each computed whole in this step:
+    causal attention over their own new K/V, one call. Rows `start:` of the step."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    end = start + num_seqs * seq_len
+    # [num_seqs, heads, seq_len, D] strided views of the step's rows
+    queries = query[start:end].view(num_seqs, seq_len, num_heads, head_dim).transpose(1, 2)
+    keys = key[start:end].view(num_seqs, seq_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = value[start:end].view(num_seqs, seq_len, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        queries,
+        keys,
+        values,
+        is_causal=seq_len > 1,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out.transpose(1, 2).reshape(end - start, num_heads, head_dim)
+
+
+def _fresh_runs(metadata: AttentionMetadata) -> list[tuple[int, int, int]]:
+    """(first sequence, number of sequences, length) of each run of adjacent prompts that
+    are computed whole in this step (query_len == seq_len > 1) and equally long."""
+    runs: list[tuple[int, int, int]] = []
+    for i, (query_len, seq_len) in enumerate(
+        zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)
+    ):
+        if query_len != seq_len or query_len < 2:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][2] == seq_len:
+            first, count, _ = runs[-1]
+            runs[-1] = (first, count + 1, seq_len)
+        else:
+            runs.append((i, 1, seq_len))
+    return runs
+
+
 def _mixed(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Decode sequences batched together, prefill sequences one by one."""
+    """Decode sequences batched together, whole prompts by runs from the new K/V (when
+    given), other prefill sequences one by one from the cache."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     starts = [0]
     for query_len in metadata.query_lens_list:
         starts.append(starts[-1] + query_len)
+    done = [n == 0 for n in metadata.query_lens_list]
     decode_ids = [i for i, n in enumerate(metadata.query_lens_list) if n == 1]
-    batch_decode = len(decode_ids) > 1
-    if batch_decode:
+    if len(decode_ids) > 1:
         seq_index = torch.tensor(decode_ids, dtype=torch.int64, device=query.device)
         rows = torch.tensor([starts[i] for i in decode_ids], device=query.device)
-        decoded = _decode(
+        decoded = decode_attention(
             query.index_select(0, rows),
             k_cache,
             v_cache,
@@ -223,10 +261,15 @@ def _mixed(
             scale,
         )
         out.index_copy_(0, rows, decoded)
-    for i, (query_len, seq_len) in enumerate(
-        zip(metadata.query_lens_list, metadata.seq_lens_list, strict=True)
-    ):
-        if query_len == 0 or (query_len == 1 and batch_decode):
+        for i in decode_ids:
+            done[i] = True
+    if new_kv is not None:
+        for first, count, seq_len in _fresh_runs(metadata):
+            start, end = starts[first], starts[first + count]
+            out[start:end] = _fresh_prompts(query, *new_kv, start, count, seq_len, scale)
+            done[first : first + count] = [True] * count
+    for i, seq_len in enumerate(metadata.seq_lens_list):
+        if done[i]:
             continue
         start, end = starts[i], starts[i + 1]
         out[start:end] = _prefill_one(

@@ -23,6 +23,8 @@ BATCHES = {
     "chunked_prefix": ([9, 16, 3], [30, 48, 20]),
     "mixed": ([20, 1, 17, 1, 5, 1, 0], [50, 33, 17, 64, 9, 1, 12]),
     "mixed_one_decode": ([12, 1], [40, 25]),
+    # runs of adjacent whole prompts of equal length, split by other kinds
+    "prompt_runs": ([16, 16, 16, 1, 9, 9, 3, 30, 5], [16, 16, 16, 20, 9, 9, 12, 40, 5]),
 }
 
 
@@ -94,6 +96,57 @@ def test_matches_reference(
     assert out.shape == batch.query.shape and out.dtype == dtype
     atol, rtol = tolerances[dtype]
     torch.testing.assert_close(out, paged_attention_ref(*args), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("kind", ["prefill", "mixed", "prompt_runs"])
+def test_new_kv_matches_reference(
+    paged_batch: Callable,
+    tolerances: dict,
+    kind: str,
+    geometry: tuple[int, int, int, int],
+    dtype: torch.dtype,
+) -> None:
+    """Given the step's new K/V, whole prompts attend to them: same result as the cache."""
+    torch.manual_seed(5)
+    query_lens, seq_lens = BATCHES[kind]
+    num_heads, num_kv_heads, head_dim, block_size = geometry
+    batch = paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    # the step's new rows of each sequence: its last query_len context positions
+    new = [
+        (k[s - q :], v[s - q :])
+        for k, v, q, s in zip(batch.keys, batch.values, query_lens, seq_lens, strict=True)
+    ]
+    key = torch.cat([k for k, _ in new])
+    value = torch.cat([v for _, v in new])
+    scale = head_dim**-0.5
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    out = paged_attention(*args, key=key, value=value)
+    atol, rtol = tolerances[dtype]
+    torch.testing.assert_close(out, paged_attention_ref(*args), atol=atol, rtol=rtol)
+
+
+def test_new_kv_is_what_whole_prompts_read(paged_batch: Callable) -> None:
+    """Whole prompts read the given K/V, not the cache (whose copy is stale here)."""
+    torch.manual_seed(6)
+    batch = paged_batch([8, 8], [8, 8], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.metadata, 0.25)
+    key, value = torch.cat(batch.keys), torch.cat(batch.values)
+    other_value = torch.randn_like(value)
+    from_cache = paged_attention(*args)
+    torch.testing.assert_close(paged_attention(*args, key=key, value=value), from_cache)
+    assert not torch.allclose(paged_attention(*args, key=key, value=other_value), from_cache)
+    with pytest.raises(ValueError, match="key/value"):
+        paged_attention(*args, key=key[:3], value=value[:3])
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [7, 1, 3]])

@@ -1,0 +1,85 @@
+"""Dense projections on the CPU: `y = x @ W^T + b` through oneDNN with prepacked weights.
+
+`pack_linear_weight` reorders a weight once, at load, into oneDNN's blocked layout for this
+CPU's widest instructions (AVX-512, AVX512-BF16, AMX); `linear` then runs one oneDNN
+matmul per call with no reorder. oneDNN picks its kernels by instruction set, not by CPU
+vendor, so Intel and AMD processors with the same instructions take the same fast path.
+
+`uses_onednn` says where a model's projections go through it:
+
+- bfloat16: always where oneDNN has bf16 kernels (AMX on Intel, AVX512-BF16 on AMD); torch's
+  own bf16 matmul also ends in oneDNN, but reorders the weight on every call.
+- float32: on every CPU but Intel's with MKL. There MKL (`linear_ref`, torch's matmul)
+  is as fast for a decode step's rows and sums in the order `transformers`' `F.linear`
+  does (bit for bit on a Xeon), which keeps float32 greedy output token-exact over long
+  generations; oneDNN sums in another order (a few ulps). On AMD MKL takes a slow path for
+  these few-row GEMMs, so oneDNN's speed wins there.
+
+Elsewhere (CUDA, float16, no oneDNN) callers use `linear_ref`.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Row count oneDNN tunes the packed layout for: a decode step's batch. Measured on a Xeon
+# (AVX-512, AMX) for the `small` model's shapes, a layout packed for 16 rows runs a
+# prefill's thousands of rows within a few percent of one packed for them.
+PACK_ROWS_HINT = 16
+
+
+def can_pack(weight_t: torch.Tensor) -> bool:
+    """Whether `linear` can run this `[in, out]` weight (a CPU tensor oneDNN supports)."""
+    if weight_t.device.type != "cpu" or weight_t.dim() != 2:
+        return False
+    if not torch.backends.mkldnn.is_available() or weight_t.dtype not in PACKABLE_DTYPES:
+        return False
+    return weight_t.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.cache
+def _intel_cpu() -> bool:
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def uses_onednn(weight_t: torch.Tensor) -> bool:
+    """Whether a model's projection with this weight should run packed (see the module
+    docstring for why float32 on Intel stays with MKL)."""
+    if not can_pack(weight_t):
+        return False
+    if weight_t.dtype == torch.float32:
+        return not (torch.backends.mkl.is_available() and _intel_cpu())
+    return True
+
+
+def pack_linear_weight(weight_t: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN-packed copy of `weight_t` (`[in, out]`) for `linear`, or None where it cannot
+    run (`can_pack`). The result is an opaque tensor of logical shape `[out, in]`."""
+    if not can_pack(weight_t):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), PACK_ROWS_HINT)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W^T + bias` for `x` `[num_tokens, in]` and `packed` from `pack_linear_weight`."""
+    if x.dim() != 2 or x.shape[1] != packed.shape[1]:
+        raise ValueError(f"x must be [num_tokens, {packed.shape[1]}], got {tuple(x.shape)}")
+    if x.dtype != packed.dtype:
+        raise TypeError(f"x is {x.dtype}, the packed weight {packed.dtype}")
+    if bias is not None and (bias.shape != (packed.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{packed.shape[0]}] {x.dtype}, got {tuple(bias.shape)}")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear_ref(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch form of `linear` on the unpacked `[in, out]` weight."""
+    if bias is None:
+        return x @ weight_t
+    return torch.addmm(bias, x, weight_t)
