@@ -127,7 +127,18 @@ def _has_text(event: dict[str, Any]) -> bool:
 
 
 def pool_stats(server: Server) -> dict[str, dict[str, Any]]:
-    return dict(server.stats()["pools"])
+    """Every pool's stats, once every pool answers: a pool that does not answer within the
+    stats route's bound shows `{"error": ...}` (a replica restarting, a loaded machine), and
+    is asked again for up to `RESTART_TIMEOUT_S`."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        pools = dict(server.stats()["pools"])
+        silent = {name: pool["error"] for name, pool in pools.items() if "error" in pool}
+        if not silent:
+            return pools
+        if time.monotonic() > deadline:
+            pytest.fail(f"pools not answering their stats after {RESTART_TIMEOUT_S}s: {silent}")
+        time.sleep(0.5)
 
 
 def wait_running(server: Server, pool: str, count: int, timeout_s: float = 30.0) -> None:
