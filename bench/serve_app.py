@@ -116,12 +116,23 @@ def start_serve(port: int | None = None, attempts: int = 3) -> int:
     """`serve.start` on 127.0.0.1 (after `ray.init`); returns the port it listens on. With
     `port` None any free port will do: one of Ray's own processes can take the chosen port
     before the proxy binds it ("Failed to bind to address"), and then Serve is shut down and
-    started on another free one, `attempts` times at most. A given `port` is not replaced."""
+    started on another free one, `attempts` times at most. A given `port` is not replaced.
+    On a loaded machine the controller may find its first proxy not ready in time (three
+    5 s checks), kill it and start another on the same port, while `serve.start` still waits
+    for the first one (ActorDiedError): Serve is then up, and this connects to it (callers
+    wait for the app's health, which waits for the new proxy)."""
     from ray import serve
+    from ray.exceptions import ActorDiedError
 
     chosen = free_port() if port is None else port
     for attempt in range(1, attempts + 1):
         try:
+            serve.start(http_options={"host": "127.0.0.1", "port": chosen})
+            return chosen
+        except ActorDiedError as exc:
+            if "ProxyActor" not in str(exc):
+                raise
+            logger.warning("Serve replaced its first HTTP proxy while starting; connecting")
             serve.start(http_options={"host": "127.0.0.1", "port": chosen})
             return chosen
         except Exception as exc:  # noqa: BLE001 - only the bind race is retried
