@@ -11,14 +11,13 @@ import math
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.kernels import paged_attention, write_kv_cache
 from engine.kernels.linear import linear, linear_ref, pack_linear_weight, uses_onednn
 from engine.kernels.metadata import AttentionMetadata
-from engine.kernels.norm_rope import apply_rope, rms_norm
+from engine.kernels.norm_rope import apply_rope, rms_norm, silu_and_mul
 from engine.kv_cache import TORCH_DTYPES, KVCache
 from engine.parallel import TensorParallel, shard_state_dict, single
 from engine.quantization import Fp8Linear, pop_kv_scale, prepare_fp8_weights
@@ -195,8 +194,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):

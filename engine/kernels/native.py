@@ -89,12 +89,12 @@ def _check_private(path: str, info: os.stat_result, *, directory: bool) -> None:
         raise UntrustedLibraryError(f"{path} is writable by others (mode {info.st_mode:o})")
 
 
-def _build(compiler: str, source: str, target: str, record: str) -> None:
+def _build(compiler: str, source: str, flags: tuple[str, ...], target: str, record: str) -> None:
     """Compile in a temporary directory beside `target`, record the hash, move it in."""
     with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
         with open(os.path.join(tmp, "kernel.c"), "w") as f:
             f.write(source)
-        cmd = [compiler, *CFLAGS, "-o", "kernel.so", "kernel.c", "-lm"]
+        cmd = [compiler, *flags, "-o", "kernel.so", "kernel.c", "-lm"]
         result = subprocess.run(
             cmd, cwd=tmp, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
         )
@@ -131,19 +131,21 @@ def _open_verified(target: str, record: str) -> int:
 
 
 @functools.cache
-def load_library(name: str, source: str) -> ctypes.CDLL | None:
-    """The compiled `source` (built on first use), or None where it cannot be (logged once)."""
+def load_library(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `source` (built on first use with `CFLAGS` and `extra_flags`), or None
+    where it cannot be (logged once)."""
     try:
-        return _load(name, source)
+        return _load(name, source, extra_flags)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("C kernel %s not loaded, using the torch path: %s", name, exc)
         return None
 
 
-def _load(name: str, source: str) -> ctypes.CDLL | None:
+def _load(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if platform.system() != "Linux":
         return None
-    key = "\n".join([source, " ".join(CFLAGS), platform.machine(), _cpu_identity()])
+    flags = (*CFLAGS, *extra_flags)
+    key = "\n".join([source, " ".join(flags), platform.machine(), _cpu_identity()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     directory = _private_dir()
     target = os.path.join(directory, f"{name}-{digest}.so")
@@ -155,7 +157,7 @@ def _load(name: str, source: str) -> ctypes.CDLL | None:
             if compiler is None:
                 logger.info("no C compiler: the CPU kernels use their torch paths")
                 return None
-            _build(compiler, source, target, record)
+            _build(compiler, source, flags, target, record)
         fd = _open_verified(target, record)
         try:
             # By its own (digest-named) path: dlopen reuses an earlier handle whose name

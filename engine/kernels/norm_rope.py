@@ -1,9 +1,13 @@
-"""RMSNorm (with the residual add before it) and rotary embedding, as the decoder runs them.
+"""RMSNorm (with the residual add before it), rotary embedding and the SiLU gate, as the
+decoder runs them.
 
-On the CPU these are the torch forms below, which are also the references. On CUDA each is
-one Triton kernel (`engine.kernels.triton.norm_rope`): in an eager step the torch forms
-launch eight kernels per norm and six per rotary, about half of a step's kernels, and the
-host time to launch them set an eager step's pace (BENCHMARKS.md, the H200 profile).
+On the CPU the rotary (float32 and bfloat16) and the bfloat16 norm run as C kernels
+(`engine.kernels.cpu_elementwise`: one pass instead of five to eight ops; the rotary bit for
+bit the torch form), the float32 norm as the torch form below, which are also the
+references. On CUDA each is one Triton kernel (`engine.kernels.triton.norm_rope`): in an
+eager step the torch forms launch eight kernels per norm and six per rotary, about half of
+a step's kernels, and the host time to launch them set an eager step's pace (BENCHMARKS.md,
+the H200 profile).
 
 Numerics follow `transformers`: the residual add and every product round to the model
 dtype where torch's would; the norm's statistic is taken in float32. The Triton rotary is
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels.cpu_elementwise import add_rms_norm_cpu, rope_cpu, silu_mul_cpu
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -31,6 +37,10 @@ def rms_norm(
 
         _check_rows(x, weight, residual)
         return rms_norm_triton(x, weight, eps, residual)
+    if x.dtype == torch.bfloat16:
+        fused = add_rms_norm_cpu(x, weight, eps, residual)
+        if fused is not None:
+            return fused
     return rms_norm_ref(x, weight, eps, residual)
 
 
@@ -73,7 +83,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         if x.shape[2] % 2:
             raise ValueError(f"head_dim must be even, got {x.shape[2]}")
         return apply_rope_triton(x, cos, sin)
-    return apply_rope_ref(x, cos, sin)
+    rotated = rope_cpu(x, cos, sin)
+    return apply_rope_ref(x, cos, sin) if rotated is None else rotated
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,3 +92,19 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of a fused gate/up projection `[num_tokens, 2 * inter]` (gate the
+    first half); a C kernel for bfloat16 on the CPU, else the torch form."""
+    if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+        fused = silu_mul_cpu(gate_up)
+        if fused is not None:
+            return fused
+    return silu_and_mul_ref(gate_up)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """The torch form of `silu_and_mul` (transformers' `act_fn(gate) * up`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
