@@ -158,6 +158,130 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 elements (float32 or bfloat16) as float32 */
+static inline __m512 ld16(const void* p, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    return _mm512_loadu_ps((const float*)p);
+}
+
+/* lane j of the result = the sum of the 16 lanes of a[j] */
+static inline __m512 reduce16(const __m512* a) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+/* The same as `attend` with AVX-512: per kv head, the scores of 16 keys at a time (one
+   reduction tree for 16 dot products), and P.V with the group's accumulators in registers.
+   Needs head_dim % 16 == 0 and block_size % 16 == 0. */
+static inline __attribute__((always_inline)) void attend_avx512(
+    const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
+    float* restrict scores, float* restrict acc, float* restrict qf) {
+    const int64_t num_heads = a->num_heads;
+    const int64_t num_kv_heads = a->num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t kv_stride = num_kv_heads * head_dim;
+    const int64_t block_size = a->block_size;
+    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t block_bytes = block_size * kv_stride * esize;
+    const int64_t seq_len = a->seq_lens[s];
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    const int64_t* table = a->block_tables + s * a->table_stride;
+    const int64_t chunks = head_dim / 16;
+    const char* kc = (const char*)a->k_cache;
+    const char* vc = (const char*)a->v_cache;
+    for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t d = 0; d < head_dim; d++)
+            qf[h * head_dim + d] =
+                load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) prefetch_block(kc, table[b + 1], block_bytes);
+        else prefetch_block(vc, table[0], block_bytes);
+        const int64_t t0 = b * block_size;
+        const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t m = n - j0 < 16 ? n - j0 : 16;
+            const char* rows = kc + ((table[b] * block_size + j0) * kv_stride) * esize;
+            for (int64_t hk = 0; hk < num_kv_heads; hk++) {
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t h = hk * group + g;
+                    const float* qh = qf + h * head_dim;
+                    __m512 dots[16];
+                    for (int j = 0; j < 16; j++) {
+                        const char* kr = rows + (j * kv_stride + hk * head_dim) * esize;
+                        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), ld16(kr, bf16));
+                        for (int64_t c = 1; c < chunks; c++)
+                            d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
+                                                ld16(kr + 16 * c * esize, bf16), d);
+                        dots[j] = d;
+                    }
+                    _mm512_mask_storeu_ps(scores + h * seq_len + t0 + j0,
+                                          (__mmask16)((1u << m) - 1u), reduce16(dots));
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        float* restrict sc = scores + h * seq_len;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < seq_len; t++) mx = sc[t] > mx ? sc[t] : mx;
+        float sum = 0.f;
+        for (int64_t t = 0; t < seq_len; t++) {
+            sc[t] = exp_nonpositive(sc[t] - mx);
+            sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) prefetch_block(vc, table[b + 1], block_bytes);
+        const int64_t t0 = b * block_size;
+        const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        for (int64_t hk = 0; hk < num_kv_heads; hk++) {
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                for (int64_t c = 0; c < chunks; c++) {
+                    __m512 o[4];
+                    for (int64_t g = 0; g < gn; g++)
+                        o[g] = _mm512_loadu_ps(acc + (hk * group + g0 + g) * head_dim + 16 * c);
+                    for (int64_t j = 0; j < n; j++) {
+                        const char* vr =
+                            vc + (((table[b] * block_size + j) * kv_stride) + hk * head_dim +
+                                  16 * c) * esize;
+                        const __m512 v = ld16(vr, bf16);
+                        for (int64_t g = 0; g < gn; g++)
+                            o[g] = _mm512_fmadd_ps(
+                                _mm512_set1_ps(scores[(hk * group + g0 + g) * seq_len + t0 + j]),
+                                v, o[g]);
+                    }
+                    for (int64_t g = 0; g < gn; g++)
+                        _mm512_storeu_ps(acc + (hk * group + g0 + g) * head_dim + 16 * c, o[g]);
+                }
+            }
+        }
+    }
+    const int64_t o0 = s * num_heads * head_dim;
+    for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
+}
+#endif
+
 static inline __attribute__((always_inline)) int run(const pd_decode_args* a, int bf16,
                                                      int num_threads) {
     const int64_t num_heads = a->num_heads;
@@ -176,6 +300,14 @@ static inline __attribute__((always_inline)) int run(const pd_decode_args* a, in
             float* scores = buf;
             float* acc = buf + num_heads * a->max_seq_len;
             float* qf = acc + num_heads * d;
+#if defined(__AVX512F__)
+            if (d % 16 == 0 && a->block_size % 16 == 0) {
+                if (d == 64) attend_avx512(a, bf16, 64, s, scores, acc, qf);
+                else if (d == 128) attend_avx512(a, bf16, 128, s, scores, acc, qf);
+                else attend_avx512(a, bf16, d, s, scores, acc, qf);
+                continue;
+            }
+#endif
             if (d == 64) attend(a, bf16, 64, s, scores, acc, qf);
             else if (d == 128) attend(a, bf16, 128, s, scores, acc, qf);
             else attend(a, bf16, d, s, scores, acc, qf);
