@@ -192,7 +192,8 @@ static inline __m512 reduce16(const __m512* a) {
    Needs head_dim % 16 == 0 and block_size % 16 == 0. */
 static inline __attribute__((always_inline)) void attend_avx512(
     const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
-    float* restrict scores, float* restrict acc, float* restrict qf) {
+    float* restrict scores, float* restrict acc, float* restrict qf,
+    float* restrict ktile /* [16, head_dim] */) {
     const int64_t num_heads = a->num_heads;
     const int64_t num_kv_heads = a->num_kv_heads;
     const int64_t group = num_heads / num_kv_heads;
@@ -210,25 +211,46 @@ static inline __attribute__((always_inline)) void attend_avx512(
         for (int64_t d = 0; d < head_dim; d++)
             qf[h * head_dim + d] =
                 load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
+    const int64_t row_bytes = head_dim * esize;
     for (int64_t b = 0; b < num_blocks; b++) {
-        if (b + 1 < num_blocks) prefetch_block(kc, table[b + 1], block_bytes);
-        else prefetch_block(vc, table[0], block_bytes);
+        /* the same rows of the next block (of V after the last K block), a few lines per
+           key: blocks sit at random addresses, where the hardware prefetcher cannot follow;
+           a whole block at once fills the line-fill buffers and stalls */
+        const char* next = b + 1 < num_blocks ? kc + table[b + 1] * block_bytes
+                                              : vc + table[0] * block_bytes;
         const int64_t t0 = b * block_size;
         const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
         for (int64_t j0 = 0; j0 < n; j0 += 16) {
             const int64_t m = n - j0 < 16 ? n - j0 : 16;
             const char* rows = kc + ((table[b] * block_size + j0) * kv_stride) * esize;
             for (int64_t hk = 0; hk < num_kv_heads; hk++) {
+                /* the 16 keys of this kv head as float32 (bf16 converted once, not per head) */
+                const float* kt;
+                if (bf16) {
+                    for (int j = 0; j < 16; j++)
+                        for (int64_t c = 0; c < chunks; c++)
+                            _mm512_storeu_ps(
+                                ktile + j * head_dim + 16 * c,
+                                ld16(rows + (j * kv_stride + hk * head_dim + 16 * c) * 2, 1));
+                    kt = ktile;
+                } else {
+                    kt = (const float*)rows + hk * head_dim;
+                }
+                const int64_t kt_stride = bf16 ? head_dim : kv_stride;
+                for (int j = 0; j < 16; j++)
+                    for (int64_t off = 0; off < row_bytes; off += 64)
+                        __builtin_prefetch(next + ((j0 + j) * kv_stride + hk * head_dim) * esize +
+                                           off, 0, 3);
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = hk * group + g;
                     const float* qh = qf + h * head_dim;
                     __m512 dots[16];
                     for (int j = 0; j < 16; j++) {
-                        const char* kr = rows + (j * kv_stride + hk * head_dim) * esize;
-                        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), ld16(kr, bf16));
+                        const float* kr = kt + j * kt_stride;
+                        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr));
                         for (int64_t c = 1; c < chunks; c++)
                             d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
-                                                ld16(kr + 16 * c * esize, bf16), d);
+                                                _mm512_loadu_ps(kr + 16 * c), d);
                         dots[j] = d;
                     }
                     _mm512_mask_storeu_ps(scores + h * seq_len + t0 + j0,
@@ -239,8 +261,11 @@ static inline __attribute__((always_inline)) void attend_avx512(
     }
     for (int64_t h = 0; h < num_heads; h++) {
         float* restrict sc = scores + h * seq_len;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < seq_len; t++) mx = sc[t] > mx ? sc[t] : mx;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 16 <= seq_len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sc + i));
+        float mx = _mm512_reduce_max_ps(vmax);
+        for (; i < seq_len; i++) mx = sc[i] > mx ? sc[i] : mx;
         float sum = 0.f;
         for (int64_t t = 0; t < seq_len; t++) {
             sc[t] = exp_nonpositive(sc[t] - mx);
@@ -251,7 +276,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
     }
     for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
     for (int64_t b = 0; b < num_blocks; b++) {
-        if (b + 1 < num_blocks) prefetch_block(vc, table[b + 1], block_bytes);
+        const char* next = b + 1 < num_blocks ? vc + table[b + 1] * block_bytes : NULL;
         const int64_t t0 = b * block_size;
         const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
         for (int64_t hk = 0; hk < num_kv_heads; hk++) {
@@ -262,6 +287,9 @@ static inline __attribute__((always_inline)) void attend_avx512(
                     for (int64_t g = 0; g < gn; g++)
                         o[g] = _mm512_loadu_ps(acc + (hk * group + g0 + g) * head_dim + 16 * c);
                     for (int64_t j = 0; j < n; j++) {
+                        if (next != NULL && g0 == 0 && 64 * c < row_bytes)  /* spread */
+                            __builtin_prefetch(
+                                next + (j * kv_stride + hk * head_dim) * esize + 64 * c, 0, 3);
                         const char* vr =
                             vc + (((table[b] * block_size + j) * kv_stride) + hk * head_dim +
                                   16 * c) * esize;
@@ -289,7 +317,9 @@ static inline __attribute__((always_inline)) int run(const pd_decode_args* a, in
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float* buf = (float*)malloc(sizeof(float) * num_heads * (a->max_seq_len + 2 * d));
+        /* scores [H, max_seq_len], acc [H, D], qf [H, D], ktile [16, D] */
+        const int64_t floats = num_heads * (a->max_seq_len + 2 * d) + 16 * d;
+        float* buf = (float*)malloc(sizeof(float) * floats);
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -302,9 +332,10 @@ static inline __attribute__((always_inline)) int run(const pd_decode_args* a, in
             float* qf = acc + num_heads * d;
 #if defined(__AVX512F__)
             if (d % 16 == 0 && a->block_size % 16 == 0) {
-                if (d == 64) attend_avx512(a, bf16, 64, s, scores, acc, qf);
-                else if (d == 128) attend_avx512(a, bf16, 128, s, scores, acc, qf);
-                else attend_avx512(a, bf16, d, s, scores, acc, qf);
+                float* ktile = qf + num_heads * d;
+                if (d == 64) attend_avx512(a, bf16, 64, s, scores, acc, qf, ktile);
+                else if (d == 128) attend_avx512(a, bf16, 128, s, scores, acc, qf, ktile);
+                else attend_avx512(a, bf16, d, s, scores, acc, qf, ktile);
                 continue;
             }
 #endif
