@@ -14,18 +14,18 @@ from collections.abc import Sequence
 from app.protocol import DEFAULT_MAX_TOKENS
 
 BENCHMARKS = {
-    "accuracy": "bench.accuracy",
-    "engine": "bench.engine",
-    "transfer": "bench.transfer",
-    "itl": "bench.itl",
-    "serve": "bench.loadgen",
-    "goodput": "bench.goodput",
-    "compare": "bench.compare",
-    "summary": "bench.compare_summary",
-    "chaos": "bench.chaos",
-    "autoscale": "bench.autoscale",
-    "overload": "bench.overload",
-    "tpot": "bench.decode_tpot",
+    "accuracy": "bench.offline.accuracy",
+    "engine": "bench.offline.throughput",
+    "transfer": "bench.offline.transfer",
+    "itl": "bench.serve.itl",
+    "serve": "bench.serve.loadgen",
+    "goodput": "bench.goodput.sweep",
+    "compare": "bench.compare.main",
+    "summary": "bench.compare.summary",
+    "chaos": "bench.chaos.main",
+    "autoscale": "bench.autoscale.main",
+    "overload": "bench.overload.main",
+    "tpot": "bench.offline.tpot",
 }
 
 

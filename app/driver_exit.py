@@ -8,7 +8,7 @@ local cluster the driver started, interpreter teardown. A driver whose graceful 
 longer than 3 s dies of SIGABRT partway (ray-project/ray#37288). `serve run app.main:app`
 imports torch and the engine into its driver (the deployment classes are bound there),
 which adds about a second of interpreter teardown to the second or two `ray.shutdown()`
-takes, more on a busy machine: such runs ended in `Aborted`. `python -m bench.serve_app`
+takes, more on a busy machine: such runs ended in `Aborted`. `python -m bench.serve.deploy`
 calls `serve.shutdown()` first, which waits for the replicas to drain. The exit itself is
 right; only the alarm is wrong, so each graceful exit path cancels it as it begins
 (`cancel_abort_alarm`).

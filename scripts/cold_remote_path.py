@@ -19,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from bench import compare_store
-from bench.metrics import route_kind
-from bench.serve_app import app_args, free_port, running_app
+from bench.compare import store
+from bench.serve.deploy import app_args, free_port, running_app
+from bench.serve.metrics import route_kind
 
 PHASES = ("queue_ms", "prefill_ms", "handover_ms", "total_ms")
 
@@ -72,7 +72,7 @@ def deploy(args: argparse.Namespace) -> None:
 
 
 def points(args: argparse.Namespace) -> None:
-    report = compare_store.load_json(Path(args.file))
+    report = store.load_json(Path(args.file))
     for config, runs in report["runs"].items():
         firsts: list[float] = []
         next_three: list[float] = []

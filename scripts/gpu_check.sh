@@ -109,7 +109,7 @@ echo "== two-process KV transfer on one GPU (cuda_ipc)"
 step test "cuda_ipc tests" 90 "${PYTEST[@]}" -m gpu tests/kvtransfer/test_cuda_ipc.py
 show 4
 ipc_bench() {  # name backend receiver-device sender-device
-  step bench "bench $1" 30 "$PY" -m bench.transfer --backend "$2" --device "$3" \
+  step bench "bench $1" 30 "$PY" -m bench.offline.transfer --backend "$2" --device "$3" \
     --sender-device "$4" --model "$work" --tokens 8192 --repeats 3 --json \
     || echo "bench $1 failed"
   tail -n 1 "$work/out" >"$work/$1.json"
@@ -161,7 +161,7 @@ show 4
 
 if [ "$has_cuda" -eq 1 ]; then
   echo "== decode TPOT, CUDA graphs on/off, bf16, vs the weight-bandwidth roofline (H200 4.8 TB/s)"
-  step bench "decode TPOT" 150 "$PY" -m bench.decode_tpot --models small llama3-8b --batch 1 32 \
+  step bench "decode TPOT" 150 "$PY" -m bench.offline.tpot --models small llama3-8b --batch 1 32 \
     ${GPU_CHECK_LOG_DIR:+--profile "$GPU_CHECK_LOG_DIR/profiles"} \
     || echo "decode TPOT benchmark failed"
   show 12
@@ -178,7 +178,7 @@ step test "triton fp8 kernels" 120 "${PYTEST[@]}" tests/kernels/test_triton_kern
 show 4
 if [ "$has_fp8" -eq 1 ]; then
   echo "== fp8 accuracy on small (fp32 reference; bf16 engines with fp8 on/off), 1024 tokens"
-  step bench "fp8 accuracy" 90 "$PY" -m bench.accuracy --model small --device cuda \
+  step bench "fp8 accuracy" 90 "$PY" -m bench.offline.accuracy --model small --device cuda \
     --dtype float32 --candidate-dtype bfloat16 --baseline-dtype bfloat16 --quantization fp8 \
     --kv-cache-dtype fp8 --tokens 1024 --free-tokens 0 --json "$work/fp8_acc.json" \
     || echo "fp8 accuracy failed"
@@ -194,7 +194,7 @@ for r in data["results"]:
           f"{r['rel_logit_error_mean']:8.4f} {r['rel_logit_error_p99']:6.3f} {r['greedy_agreement']:6.3f}")
 PY
   echo "== fp8 weights + fp8 KV: decode TPOT with CUDA graphs, batch 1 and 32 (bf16 rows above)"
-  step bench "fp8 TPOT" 120 "$PY" -m bench.decode_tpot --models small llama3-8b --modes graphs \
+  step bench "fp8 TPOT" 120 "$PY" -m bench.offline.tpot --models small llama3-8b --modes graphs \
     --batch 1 32 --quantization fp8 --kv-cache-dtype fp8 || echo "fp8 TPOT failed"
   show 10
 else
@@ -204,7 +204,7 @@ fi
 # ---- Host-side transfer backends last: they need no GPU.
 echo "== transfer benchmark (135M-class shape: 30 layers, 3 kv heads, head_dim 64, fp32)"
 for backend in shm tcp; do
-  step bench "bench $backend" 60 "$PY" -m bench.transfer --backend "$backend" --model "$work" \
+  step bench "bench $backend" 60 "$PY" -m bench.offline.transfer --backend "$backend" --model "$work" \
     --tokens 2048 8192 --repeats 3 --json || echo "bench $backend failed"
   tail -n 1 "$work/out" >"$work/$backend.json"
 done

@@ -23,7 +23,7 @@ import openai
 import pytest
 import torch
 
-from bench.serve_app import start_serve
+from bench.serve.deploy import start_serve
 from engine.builtin import write_builtin_model
 
 SERVED_MODEL = "pdserve-tiny"  # "pdserve-" + the model directory's name

@@ -9,7 +9,8 @@ decode replica's KV endpoint), then checks that no request is stuck, no KV block
 The KV cache is small (256 blocks per replica) so freed blocks are reused soon: a stopped
 sender's late writes into blocks that went to another request would show as wrong output of
 the concurrent greedy control requests, or as checksum failures (checksums are on).
-Replica logs, for a drill that fails: `bench.faults.serve_log_dir()` of the test's Ray session.
+Replica logs, for a drill that fails: `bench.serve.faults.serve_log_dir()` of the test's Ray
+session.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from bench.faults import (
+from bench.serve.faults import (
     peak_rss_bytes,
     replica_log_lines,
     replica_pids,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from bench.faults import replica_pids, signal_pid
+from bench.serve.faults import replica_pids, signal_pid
 from tests.app.conftest import wait_until
 
 if TYPE_CHECKING:

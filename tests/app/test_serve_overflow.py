@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from bench.faults import replica_pids, signal_pid, wait_for_new_replica
+from bench.serve.faults import replica_pids, signal_pid, wait_for_new_replica
 from tests.app.conftest import wait_until
 
 if TYPE_CHECKING:

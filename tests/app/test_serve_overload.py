@@ -1,7 +1,7 @@
 """Overload protection end to end: circuit breakers, retry elsewhere, deadlines, shedding.
 
 One app: two prefill replicas (so a retry has somewhere else to go), one decode replica.
-Faults are real signals to real replica processes (`bench/faults.py`): a SIGSTOPped prefill
+Faults are real signals to real replica processes (`bench/serve/faults.py`): a SIGSTOPped prefill
 replica must cost each request one timed-out attempt at most, its retry must go to the
 other replica (never back to the stopped one), its breaker must open after
 `FAILURE_THRESHOLD` timeouts, and after SIGCONT and the cool-down a probe must close it
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from bench.faults import replica_pids, signal_pid
+from bench.serve.faults import replica_pids, signal_pid
 
 if TYPE_CHECKING:
     from tests.app.conftest import HFGreedy, Server

@@ -117,7 +117,7 @@ def server(request: pytest.FixtureRequest, model_dir: Path, metrics_port: int) -
     from ray import serve
 
     from app.main import build_app
-    from bench.serve_app import start_serve
+    from bench.serve.deploy import start_serve
     from tests.app.conftest import Server, wait_until
 
     args = pdserve_args(model_dir)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from bench.faults import REPLICA_PREFIX
+from bench.serve.faults import REPLICA_PREFIX
 from tests.app.conftest import wait_until
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 `bench_server` starts the default application (`app.main.DEFAULT_ARGS`: 1 prefill + 1 decode
 replica at 0.5 CPU each, KV over shared memory) on a freshly written built-in `tiny` model,
 on a private local Ray instance (2 CPUs) and a free port, once per test module, through
-`bench.serve_app` (the same helper `pdserve bench compare` uses).
+`bench.serve.deploy` (the same helper `pdserve bench compare` uses).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.serve_app import RunningApp, app_args, free_port, running_app
+from bench.serve.deploy import RunningApp, app_args, free_port, running_app
 from engine.builtin import write_builtin_model
 
 

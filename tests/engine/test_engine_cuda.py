@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.accuracy import make_engine, teacher_forced_logits
+from bench.offline.accuracy import make_engine, teacher_forced_logits
 from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.engine import Engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.accuracy import measure
+from bench.offline.accuracy import measure
 from engine.builtin import write_builtin_model
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import Engine
@@ -80,7 +80,7 @@ def test_fp8_model_computes_with_exactly_the_dequantized_weights(tiny: Path) -> 
     assert layer.input_layernorm.weight.dtype == torch.float32  # norms stay full precision
     assert fp8.model.lm_head.weight_t.dtype == torch.float32  # and the LM head
     ids = fp8.tokenize(PROMPTS[0])
-    from bench.accuracy import teacher_forced_logits
+    from bench.offline.accuracy import teacher_forced_logits
 
     torch.testing.assert_close(
         teacher_forced_logits(fp8, ids), teacher_forced_logits(fake, ids), atol=1e-4, rtol=1e-4

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.accuracy import make_engine, teacher_forced_logits
+from bench.offline.accuracy import make_engine, teacher_forced_logits
 from engine.builtin import write_builtin_model
 from engine.quantization import Fp8Linear, cast_floating_, quantize_weight
 
