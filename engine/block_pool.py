@@ -110,6 +110,21 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         self._block_to_hash[block_id] = block_hash
 
+    def recent_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` cached block hashes, those an allocation would evict last first:
+        blocks in use, then free cached blocks from the most recently freed. Read-only (the
+        replica publishes them so that routers can find where a prefix is cached)."""
+        if limit <= 0:
+            return []
+        hashes = [h for b, h in self._block_to_hash.items() if self._ref_counts[b] > 0]
+        del hashes[limit:]
+        for block_id in reversed(self._free):
+            if len(hashes) >= limit:
+                break
+            if (block_hash := self._block_to_hash.get(block_id)) is not None:
+                hashes.append(block_hash)
+        return hashes
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after weights change)."""
         self._hash_to_block.clear()
