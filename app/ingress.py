@@ -29,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.admission.classes import requested_class
 from app.admission.deadlines import requested_timeout
+from app.batch import routes as batch_routes
+from app.batch.fleet import batch_service
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
@@ -67,6 +69,7 @@ api = FastAPI(
     openapi_url=None,
 )
 install_error_handlers(api)
+api.include_router(batch_routes.router)  # /v1/files, /v1/batches (app/batch/)
 api.add_middleware(TracingMiddleware)  # a span per request; x-trace-id on every response
 
 
@@ -123,6 +126,9 @@ class Ingress:
         self.readiness = Readiness(
             own_app_name(), self.pools, observe=self.frontend.telemetry.cost.observe_replicas
         )
+        if self.config.batch.enabled:  # jobs of the store run here while this replica holds them
+            batch = batch_service(self.config, self.frontend, self.pools)
+            batch_routes.bind(batch, self.frontend.authenticate, self.config.limits.max_body_bytes)
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -64,6 +64,8 @@ class RequestRunner:
         self.telemetry = telemetry
         self.decode_handles = decode_handles
         self.in_flight = in_flight
+        # Requests running, by priority: batch jobs pace themselves by the more important.
+        self.in_flight_by_priority: Counter[int] = Counter()
 
     async def run(self, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """Stream `(choice index, delta)` of every choice until all have finished."""
@@ -112,6 +114,8 @@ class RequestRunner:
             raise
         status = STATUS_CLIENT_GONE  # unless the loop below ends or raises
         self.in_flight[prepared.tenant] += 1
+        priority = prepared.route.priority
+        self.in_flight_by_priority[priority] += 1
         self.routing.record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         # `computing`: where the prompt computes and its length, until its first output
@@ -175,6 +179,7 @@ class RequestRunner:
             self.overflow.ended(prepared.route.decode_pool, prepared.n)
             self._prompt_computed(computing)
             self.in_flight[prepared.tenant] -= 1
+            self.in_flight_by_priority[priority] -= 1
             admitted.release()
 
     def _start(

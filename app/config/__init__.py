@@ -3,7 +3,8 @@
 `PDServeConfig` (`root`) is a Serve config file's `applications[0].args`, assembled from one
 module per section: `model`, `pools` (and their autoscaling), `transfer`, `tenants`,
 `admission` (SLO classes, ingress replicas), `routing` (adaptive disaggregation), `http`
-(listener and limits), `overload` (shedding, deadlines, breakers), `observability`. Every
+(listener and limits), `overload` (shedding, deadlines, breakers), `observability`, `batch`
+(offline jobs). Every
 model is strict (unknown keys are errors) and describes every field; cross-section checks
 run on load, before any replica starts. `docs/configuration.md` is generated from these
 models (`scripts/config_reference.py`).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from app.config.admission import AdmissionSettings, IngressSettings, SLOClass, check_tenant_classes
 from app.config.base import NAME_PATTERN, ConfigError, read_api_keys
+from app.config.batch import BatchSettings
 from app.config.http import HttpSettings, LimitSettings
 from app.config.model import EngineOverrides, ModelSettings
 from app.config.observability import (
@@ -37,6 +39,7 @@ __all__ = [
     "AdaptivePrefillSettings",
     "AdmissionSettings",
     "AutoscalingSettings",
+    "BatchSettings",
     "BreakerConfig",
     "ConfigError",
     "CostSettings",

@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 
 from app.config.admission import AdmissionSettings, IngressSettings, check_tenant_classes
 from app.config.base import ConfigError, _Strict, read_api_keys
+from app.config.batch import BatchSettings
 from app.config.http import HttpSettings, LimitSettings
 from app.config.model import ModelSettings
 from app.config.observability import ObservabilitySettings
@@ -89,6 +90,10 @@ class PDServeConfig(_Strict):
     observability: ObservabilitySettings = Field(
         default_factory=ObservabilitySettings,
         description="Tracing, request log and unit cost.",
+    )
+    batch: BatchSettings = Field(
+        default_factory=BatchSettings,
+        description="Offline batch jobs: the OpenAI Files and Batch API.",
     )
     app_name: str = Field(
         default="pdserve",

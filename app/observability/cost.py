@@ -133,6 +133,10 @@ class CostMeter:
             self._replica_seconds[name] += count * (now - self._last)
         self._last = now
 
+    def replicas(self) -> dict[str, int]:
+        """Each pool's replica count, as last observed."""
+        return dict(self._replicas)
+
     def usd_per_hour(self) -> dict[str, float]:
         """What each pool costs per hour at its current replica count."""
         return {

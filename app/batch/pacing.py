@@ -1,0 +1,98 @@
+"""How many batch lines an ingress replica keeps in flight: spare capacity, not interference.
+
+Every job of a replica draws its lines' slots from one `Window`. `Pacer` moves the window's
+limit every `pace_period_s` from what it observes:
+
+- nothing more important running through this replica, none queued at a pool: the limit
+  doubles (up to `max_concurrency`), so an idle service runs a job at large batches;
+- more important requests running here: the limit drops to `busy_concurrency` at once,
+  then grows by one per period up to it;
+- more important work queued at a pool (a decode replica's admission waiters, prompt tokens
+  pending at a prefill replica, from the routing stats every ingress already reads), or a
+  line refused for load (429/503/504): the limit halves, down to `min_concurrency`.
+
+Lines in flight are never stopped by a smaller limit: new lines wait until enough finish.
+The policy is pure (no Ray, no clock of its own); `Window` is the event loop's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.config import BatchSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What the pacer sees of more important work, at one moment."""
+
+    num_running: int  # more important requests in flight through this ingress replica
+    queued: bool  # more important work waiting at some pool
+
+
+class Pacer:
+    """The window's next limit from the observed `Load` (module docstring)."""
+
+    def __init__(self, settings: BatchSettings) -> None:
+        self.min = settings.min_concurrency
+        self.max = settings.max_concurrency
+        self.busy = settings.busy_concurrency
+        self.limit = self.busy
+
+    def next_limit(self, load: Load) -> int:
+        if load.queued:
+            self.limit = max(self.min, self.limit // 2)
+        elif load.num_running:
+            self.limit = min(self.busy, self.limit + 1)
+        else:
+            self.limit = min(self.max, self.limit * 2)
+        return self.limit
+
+    def refused(self) -> int:
+        """A line was refused for load: halve."""
+        self.limit = max(self.min, self.limit // 2)
+        return self.limit
+
+
+def queued_ahead(snapshots: Iterable[Mapping[str, Any]], priority: int) -> bool:
+    """True when some replica's routing stats show work more important than `priority`
+    waiting: decode admission waiters, or prompt tokens pending at a prefill replica."""
+    for stats in snapshots:
+        admission = stats.get("admission")
+        if isinstance(admission, Mapping):
+            waiting = admission.get("num_waiting_by_priority") or {}
+            if any(int(p) < priority and int(n) > 0 for p, n in waiting.items()):
+                return True
+        pending = stats.get("pending_tokens_by_priority")
+        if isinstance(pending, Mapping) and any(
+            int(p) < priority and float(n) > 0 for p, n in pending.items()
+        ):
+            return True
+    return False
+
+
+class Window:
+    """Slots for lines in flight, at most `limit` taken (event loop only)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.num_taken = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.num_taken < self.limit)
+            self.num_taken += 1
+
+    async def release(self) -> None:
+        async with self._changed:
+            self.num_taken -= 1
+            self._changed.notify_all()
+
+    async def set_limit(self, limit: int) -> None:
+        async with self._changed:
+            self.limit = limit
+            self._changed.notify_all()

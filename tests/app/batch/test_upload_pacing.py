@@ -1,0 +1,78 @@
+"""Uploads within the size limit, and the pace of a job's lines (both without Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.batch.pacing import Load, Pacer, queued_ahead
+from app.batch.upload import read_upload
+from app.config import BatchSettings
+from app.errors import BadRequestError, PayloadTooLargeError
+
+BOUNDARY = "b0undary"
+CONTENT_TYPE = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def form(content: bytes, purpose: str = "batch") -> bytes:
+    return (
+        (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"'
+            "\r\nContent-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + content
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
+
+
+async def chunks(data: bytes, size: int = 7) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+def upload(body: bytes, limit: int, declared: str | None = None):  # type: ignore[no-untyped-def]
+    return asyncio.run(read_upload(CONTENT_TYPE, declared, chunks(body), limit))
+
+
+def test_upload_keeps_the_bytes_exactly() -> None:
+    content = b'{"a": 1}\r\n{"b": "\xc3\xa9"}\n\r\n'
+    result = upload(form(content), limit=1024)
+    assert (result.filename, result.purpose, result.content) == ("in.jsonl", "batch", content)
+
+
+def test_upload_over_the_limit_is_413() -> None:
+    with pytest.raises(PayloadTooLargeError, match="file limit of 10 bytes"):
+        upload(form(b"x" * 11), limit=10)
+    with pytest.raises(PayloadTooLargeError):  # the declared length alone refuses it
+        upload(b"", limit=10, declared=str(10**9))
+
+
+def test_malformed_upload_is_400() -> None:
+    with pytest.raises(BadRequestError, match="no file field"):
+        upload(f"--{BOUNDARY}--\r\n".encode(), limit=10)
+    with pytest.raises(BadRequestError, match="multipart/form-data"):
+        asyncio.run(read_upload("application/json", None, chunks(b"{}"), 10))
+
+
+def test_pacer_grows_when_idle_and_backs_off_for_more_important_work() -> None:
+    settings = BatchSettings(min_concurrency=1, busy_concurrency=4, max_concurrency=64)
+    pacer = Pacer(settings)
+    limits = [pacer.next_limit(Load(0, False)) for _ in range(6)]
+    assert limits == [8, 16, 32, 64, 64, 64]
+    assert pacer.next_limit(Load(3, False)) == 4  # interactive running: busy at once
+    assert pacer.next_limit(Load(0, True)) == 2  # interactive queued: halve
+    assert pacer.next_limit(Load(0, True)) == 1
+    assert pacer.next_limit(Load(0, True)) == 1
+    assert pacer.next_limit(Load(1, False)) == 2
+    assert pacer.refused() == 1
+
+
+def test_queued_ahead_reads_more_important_waiters_only() -> None:
+    decode = {"admission": {"num_waiting_by_priority": {"10": 5}}}
+    prefill = {"pending_tokens_by_priority": {"10": 900.0, "0": 0}}
+    assert not queued_ahead([decode, prefill], priority=10)
+    assert queued_ahead([{"admission": {"num_waiting_by_priority": {0: 1}}}], priority=10)
+    assert queued_ahead([{"pending_tokens_by_priority": {"0": 12}}], priority=10)
