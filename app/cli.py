@@ -1,4 +1,4 @@
-"""The `pdserve` command line: built-in models, offline generation, benchmarks.
+"""The `pdserve` command line: built-in models, offline generation, benchmarks (`bench/cli.py`).
 
 Results go to stdout (JSON where asked, and nothing else); logs and progress to stderr.
 """
@@ -12,21 +12,6 @@ import sys
 from collections.abc import Sequence
 
 from app.protocol import DEFAULT_MAX_TOKENS
-
-BENCHMARKS = {
-    "accuracy": "bench.offline.accuracy",
-    "engine": "bench.offline.throughput",
-    "transfer": "bench.offline.transfer",
-    "itl": "bench.serve.itl",
-    "serve": "bench.serve.loadgen",
-    "goodput": "bench.goodput.sweep",
-    "compare": "bench.compare.main",
-    "summary": "bench.compare.summary",
-    "chaos": "bench.chaos.main",
-    "autoscale": "bench.autoscale.main",
-    "overload": "bench.overload.main",
-    "tpot": "bench.offline.tpot",
-}
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
@@ -74,13 +59,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for output in outputs:
             print(output.text)
     return 0
-
-
-def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    import importlib
-
-    module = importlib.import_module(BENCHMARKS[args.which])
-    return int(module.main(rest) or 0)
 
 
 def _positive_int(text: str) -> int:
@@ -133,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
-    bench = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)", add_help=False)
-    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    # `pdserve bench ...` goes to bench.cli before parsing; listed here for `pdserve --help`
+    sub.add_parser("bench", help="benchmarks: `pdserve bench --help` lists them")
     return parser
 
 
@@ -144,12 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return _cmd_bench(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "model":
             return _cmd_model(args)

@@ -103,7 +103,8 @@ def _prefill_worker(
         while (msg := conn.recv()) is not None:
             op = msg[0]
             if op == "warm":  # connected, and the receiver's cache mapped in full
-                conn.send(sender.warm(msg[1], 120.0))
+                sender.warm(msg[1], 120.0)
+                conn.send(None)
             elif op == "transfer":
                 _, ticket, src_ids, delay_s = msg
                 conn.send(_send_all(sender, cache, ticket, src_ids, delay_s))
@@ -169,10 +170,11 @@ def _checksums(cache: KVCache, block_ids: list[int]) -> list[int]:
     from kvtransfer.payload import layer_crc
     from kvtransfer.rowcopy import block_rows
 
-    ids = np.asarray(block_ids, dtype=np.int64)
     return [
         layer_crc(
-            block_rows(cache.key_caches[i].cpu()), block_rows(cache.value_caches[i].cpu()), ids
+            block_rows(cache.key_caches[i].cpu()),
+            block_rows(cache.value_caches[i].cpu()),
+            block_ids,
         )
         for i in range(cache.num_layers)
     ]

@@ -1,4 +1,5 @@
-"""The `pdserve` command line, run as a real subprocess: built-in model, offline generation."""
+"""The `pdserve` command line, run as a real subprocess: built-in model, offline generation,
+the benchmarks by name."""
 
 from __future__ import annotations
 
@@ -58,3 +59,16 @@ def test_bad_arguments_fail_cleanly(model_dir: Path) -> None:
     missing = pdserve("generate", "--model", "/nonexistent/model", "--prompt", "x")
     assert missing.returncode != 0 and "/nonexistent/model" in missing.stderr
     assert pdserve("model", "huge", "/tmp/x").returncode == 2
+
+
+def test_bench_is_handed_to_the_benchmarks() -> None:
+    listing = pdserve("bench", "--help")
+    assert listing.returncode == 0, listing.stderr
+    for name in ("compare", "engine", "serve", "summary", "transfer"):
+        assert f"  {name} " in listing.stdout
+    compare = pdserve("bench", "compare", "--help")
+    assert compare.returncode == 0, compare.stderr
+    assert compare.stdout.startswith("usage: pdserve bench compare")
+    assert "--configs" in compare.stdout
+    assert pdserve("bench", "nope").returncode == 2
+    assert "bench" in pdserve("--help").stdout
