@@ -125,6 +125,7 @@ class _ChoiceState:
     finish_reason: FinishReason | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_transferred_tokens: int = 0
     num_deltas: int = 0
     completion_logprobs: CompletionLogprobs = dataclasses.field(default_factory=CompletionLogprobs)
     chat_logprobs: list[ChatTokenLogprob] = dataclasses.field(default_factory=list)
@@ -182,14 +183,18 @@ class _Builder:
 
     @property
     def usage(self) -> Usage:
-        """Token counts so far; cached tokens are those cached for every choice."""
+        """Token counts so far; cached tokens are those cached for every choice, KV
+        transferred tokens those of every choice together."""
         completion = sum(c.num_output_tokens for c in self._choices)
         cached = min(c.num_cached_tokens for c in self._choices)
+        moved = sum(c.num_transferred_tokens for c in self._choices)
         return Usage(
             prompt_tokens=self._num_prompt_tokens,
             completion_tokens=completion,
             total_tokens=self._num_prompt_tokens + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached, kv_transferred_tokens=moved
+            ),
         )
 
     def _record(self, index: int, delta: RequestOutput) -> _ChoiceState:
@@ -199,6 +204,7 @@ class _Builder:
         state.text += delta.new_text
         state.num_output_tokens = delta.num_output_tokens
         state.num_cached_tokens = delta.num_cached_tokens
+        state.num_transferred_tokens = delta.num_transferred_tokens
         self._num_prompt_tokens = delta.num_prompt_tokens
         if delta.finished:
             if delta.finish_reason not in _FINISH_REASONS:

@@ -96,6 +96,9 @@ class GenerateChunk(BaseModel):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    num_transferred_tokens: int = Field(
+        0, description="Prompt tokens whose KV moved from a prefill replica to decode."
+    )
     route: str = Field("", description="The router's decision, human-readable.")
 
     @classmethod
@@ -110,6 +113,7 @@ class GenerateChunk(BaseModel):
             num_prompt_tokens=delta.num_prompt_tokens,
             num_output_tokens=delta.num_output_tokens,
             num_cached_tokens=delta.num_cached_tokens,
+            num_transferred_tokens=delta.num_transferred_tokens,
             route=route,
         )
 

@@ -141,6 +141,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
             prefill_pools={} if pool.fallback else prefill,
             receiver_endpoint=receiver_endpoint,
             calls=SERVE_CALLS,
+            local_prefill_threshold=config.local_prefill_threshold,
         )
         for pool in config.pools_by_role("decode")
     }

@@ -18,9 +18,11 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class PromptTokensDetails(BaseModel):
-    """Breakdown of the prompt tokens."""
+    """Breakdown of the prompt tokens. `kv_transferred_tokens` (pdserve's extension): prompt
+    tokens whose KV moved from a prefill replica to the decode replica, over all choices."""
 
     cached_tokens: int = 0
+    kv_transferred_tokens: int = 0
 
 
 class Usage(BaseModel):

@@ -192,9 +192,15 @@ class RemotePrefill:
         if block_ids is None:
             self.reservations.forget(reservation)
             return None
+        # The leading blocks this replica's prefix cache held are pinned (the reservation
+        # holds them, as it holds the rest) and never written: only the others move.
+        num_cached_blocks = request.num_computed_tokens // self.replica.engine.kv_spec.block_size
         try:
             ticket = self.receiver.open_ticket(
-                reservation.transfer_id, block_ids, window_s or self.deadline_s
+                reservation.transfer_id,
+                block_ids[num_cached_blocks:],
+                window_s or self.deadline_s,
+                num_cached_blocks,
             )
         except BaseException:
             with contextlib.suppress(EngineDeadError):

@@ -4,10 +4,12 @@
 A request's life here (one streaming `generate` call from the ingress), once it holds one
 of the replica's stream slots (`replica/slot_gate.py`: waiters admitted by priority):
 
-    local prefill (short prompt, colocated, or no KV room now):
-        queued in the engine ──prefill + decode──▶ deltas streamed
+    local prefill (short prompt, colocated, a short suffix after a cached prefix, or no
+    KV room now):
+        queued in the engine ──prefill (after its cached prefix) + decode──▶ deltas streamed
     remote prefill:
-        reserve blocks (WAITING_FOR_KV) ──open ticket──▶ prefill pool `prefill(req, ticket)`
+        pin the cached prefix + reserve the rest (WAITING_FOR_KV) ──open ticket (the rest's
+        blocks)──▶ prefill pool `prefill(req, ticket)`
         ──KV lands layer by layer──▶ DONE ──first token──▶ RUNNING ──deltas streamed
         on failure: abort the transfer, retry once (a fresh reservation and ticket) on
         another replica, then prefill locally; circuit breakers (`decode/breaker.py`) skip
@@ -19,6 +21,10 @@ has its own transfer id (`<request id>#<attempt>`), which is also the engine req
 its reservation (and of the decoding that follows, relabelled for the caller): a late
 `release` of a dead attempt can never free the blocks of the next one, and a retry need not
 wait for a dead attempt's blocks, which stay fenced as long as its writer may still run.
+Prefix reuse: the blocks of the prompt's prefix this replica's cache holds for the tenant
+are pinned by the reservation (a reference each, never in the ticket, so no writer touches
+them) and pass with the rest to the decoding request; every path that frees a reservation
+drops those references too, and the prefix stays cached.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheSpec
 from engine.loader import load_model_config
 from engine.outputs import RequestOutput
+from engine.request import Request
 from engine.tp_kv import allocate_for_engine
 from kvtransfer import Receiver, TransferOptions
 from kvtransfer import create_receiver as create_kv_receiver
@@ -88,15 +95,19 @@ class DecodeServer:
         telemetry: Callable[[str], object] | None = None,
         cpu_affinity: Sequence[int] | None = None,
         calls: PoolCalls = PoolCalls(),
+        local_prefill_threshold: int = 0,
     ) -> None:
         """`telemetry(role)`, when given, sets up this process's tracing first (once);
         `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`);
         `calls`: the serving framework's hooks for calls to the prefill pools (the app
-        passes Serve's, `app/serve/calls.py`)."""
+        passes Serve's, `app/serve/calls.py`); a request routed to a prefill pool is
+        prefilled here when this replica holds a prefix of its prompt and the rest is
+        shorter than `local_prefill_threshold` tokens (0: never)."""
         if telemetry is not None:
             telemetry(f"decode:{pool}")
         self.pool = pool
         self.deadline_s = deadline_s
+        self.local_prefill_threshold = local_prefill_threshold
         self.breakers = BreakerBoard(breaker)  # event loop only
         self.planner = PrefillPlanner(self.breakers, known_replicas)
         self.prefill_pools = dict(prefill_pools or {})
@@ -162,9 +173,25 @@ class DecodeServer:
     async def _generate(
         self, spec: GenerationSpec, timeline: GenerationTrace
     ) -> AsyncGenerator[RequestOutput, None]:
+        counted = False
+        deltas = self._deltas(spec, timeline)
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                if not counted and delta.new_token_ids:  # the prompt is in the cache
+                    counted = True
+                    self._count_prompt(delta)
+                yield delta
+
+    async def _deltas(
+        self, spec: GenerationSpec, timeline: GenerationTrace
+    ) -> AsyncGenerator[RequestOutput, None]:
         request = self.replica.make_request(spec)
         timeline.local_request = request
-        if spec.prefill_pool is None or self.remote is None:
+        remote = None if spec.prefill_pool is None else self.remote
+        if remote is not None and self._suffix_is_short(request):
+            self.replica.counters["local_suffix_prefill"] += 1
+            remote = None
+        if remote is None:
             self.replica.counters["local_prefill"] += 1
             async for delta in self.replica.generate_whole(request):
                 yield delta
@@ -172,7 +199,7 @@ class DecodeServer:
         rid = spec.request_id
         deadline = time.monotonic() + (spec.timeout_s if spec.timeout_s is not None else 1e9)
         try:
-            started = await self.remote.run(spec, deadline, timeline)
+            started = await remote.run(spec, deadline, timeline)
             if started is None:
                 self.replica.counters["local_prefill_fallback"] += 1
                 started = rid, self.loop.open_stream(rid)
@@ -188,6 +215,33 @@ class DecodeServer:
                 reservation = self._reservations.get(engine_id)
                 if reservation is not None:  # its release (or the lease check) frees it
                     reservation.owned = False
+
+    def _suffix_is_short(self, request: Request) -> bool:
+        """Whether the part of `request`'s prompt this replica's prefix cache lacks (for
+        its tenant) is short enough to compute here, against the cached prefix, rather
+        than on a prefill replica: shorter than `local_prefill_threshold`, the length
+        below which the router prefills whole prompts where they decode."""
+        cached = self.engine.kv_manager.cached_prefix_tokens(
+            request.prompt_token_ids, request.tenant
+        )
+        return cached > 0 and request.num_prompt_tokens - cached < self.local_prefill_threshold
+
+    def _count_prompt(self, delta: RequestOutput) -> None:
+        """Token counters of a request whose prompt is in this replica's cache: of its
+        prompt tokens, those this replica's prefix cache held (`cached_tokens`), computed
+        here (`computed_tokens`), received by a transfer (`transferred_tokens`), and the
+        prompt tokens of remotely prefilled requests (`full_transfer_tokens`: what whole
+        transfers would have moved)."""
+        counters = self.replica.counters
+        num_prompt, num_moved = delta.num_prompt_tokens, delta.num_transferred_tokens
+        counters["prompt_tokens"] += num_prompt
+        if num_moved:  # prefilled remotely, after the prefix this replica held
+            counters["cached_tokens"] += num_prompt - num_moved
+            counters["transferred_tokens"] += num_moved
+            counters["full_transfer_tokens"] += num_prompt
+        else:
+            counters["cached_tokens"] += delta.num_cached_tokens
+            counters["computed_tokens"] += num_prompt - delta.num_cached_tokens
 
     # ---- operations ------------------------------------------------------------------
 

@@ -183,7 +183,9 @@ class Engine:
         )
 
     def reserve_for_kv(self, request: Request) -> list[int] | None:
-        """Decode pool: hold blocks for a prompt prefilled elsewhere (None: no room now)."""
+        """Decode pool: hold blocks for a prompt prefilled elsewhere (None: no room now):
+        the whole table, whose first `request.num_computed_tokens // block_size` blocks
+        are this pool's cached prefix, pinned (`Scheduler.reserve_for_kv`)."""
         block_ids = self.scheduler.reserve_for_kv(request)
         if block_ids is not None:
             self._track(request)
@@ -367,6 +369,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_transferred_tokens=request.num_transferred_tokens,
             stop_reason=request.stop_reason,
             error=error,
         )

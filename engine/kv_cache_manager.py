@@ -7,6 +7,8 @@ newly computed full blocks with `cache_blocks`, and hands everything back with `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.block_pool import BlockPool, hash_block_tokens
 from engine.request import Request
 
@@ -56,6 +58,25 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int], tenant: str) -> int:
+        """Tokens of the longest prefix of `token_ids` whose KV is cached for `tenant`, as
+        `get_computed_blocks` would find it (at least one token left to compute).
+
+        Changes nothing and takes no references, so any thread may ask: the answer is a
+        hint (blocks may be evicted before anyone pins them).
+        """
+        if not self.pool.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        num_blocks = 0
+        parent: bytes | None = None
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], tenant)
+            if self.pool.lookup(parent) is None:
+                break
+            num_blocks += 1
+        return num_blocks * bs
 
     def allocate_slots(
         self,

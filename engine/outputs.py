@@ -47,7 +47,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | "error" | None
     num_prompt_tokens: int
     num_output_tokens: int
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed for it (prefix cache hits)
+    num_transferred_tokens: int = 0  # prompt tokens whose KV reached decode by a transfer
     stop_reason: int | str | None = None
     error: str | None = None  # why the request failed (finish_reason "error"), for the caller
     ttft: TTFTBreakdown | None = None  # set by a decode server on a stream's first token

@@ -290,6 +290,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_transferred_tokens: int = 0  # prompt tokens whose KV arrived from a prefill replica
     num_preemptions: int = 0
     stop_reason: int | str | None = None
 

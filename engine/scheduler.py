@@ -100,13 +100,20 @@ class Scheduler:
     def reserve_for_kv(self, request: Request) -> list[int] | None:
         """Decode pool: reserve blocks for a prompt that is prefilled elsewhere.
 
-        Returns the destination block ids (the request waits in WAITING_FOR_KV), or None
-        when the KV does not fit now (nothing is held).
+        The leading blocks this pool's prefix cache holds for the request's tenant are
+        pinned (one reference each, held until the request ends) and start its table;
+        `request.num_computed_tokens` is the prompt tokens they cover, and only the blocks
+        after them need KV from the transfer. Returns the request's whole block table (the
+        request waits in WAITING_FOR_KV), or None when the KV does not fit now (nothing is
+        held).
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+        computed, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_prompt_tokens - num_cached
+        if self.kv.allocate_slots(request, num_new, computed) is None:
             return None
+        request.num_computed_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         self.waiting_for_kv[request.request_id] = request
@@ -122,9 +129,11 @@ class Scheduler:
         """Decode pool: the prompt's KV is in our blocks; start decoding after `first_token_id`.
 
         `num_cached_tokens` is how much of the prompt the prefill replica reused from its
-        prefix cache (reported in usage).
+        prefix cache (reported in usage); the KV that moved covers the prompt after the
+        prefix pinned at `reserve_for_kv` (`num_transferred_tokens`).
         """
         request = self.waiting_for_kv.pop(request_id)
+        request.num_transferred_tokens = request.num_prompt_tokens - request.num_computed_tokens
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_cached_tokens = num_cached_tokens
         request.append_output_token(first_token_id, logprobs)

@@ -191,6 +191,12 @@ class Ticket:
     The deadline travels as a duration, never as a wall-clock instant two hosts would have
     to agree on: each process that unpickles a ticket starts its own monotonic countdown
     from the seconds that were left when it was pickled.
+
+    Prefix reuse: the receiver may already hold the KV of the prompt's first
+    `num_cached_blocks` blocks (its prefix cache; those blocks are pinned by the decode
+    request, never written by the transfer). `block_ids` are the destinations of the blocks
+    after them: the sender sends the prompt's blocks `num_cached_blocks ..
+    num_cached_blocks + num_blocks - 1`, whatever its own prefix cache held.
     """
 
     request_id: str
@@ -199,14 +205,17 @@ class Ticket:
     layout: KVLayout
     epoch: int  # the receiver's incarnation; fences tickets from before a restart
     deadline_s: float = field(compare=False)  # seconds the transfer may take, from issue
+    num_cached_blocks: int = 0  # the prompt's leading blocks the receiver holds already
     expires_at: float = field(init=False, compare=False, repr=False)  # this process: monotonic
 
     def __post_init__(self) -> None:
+        if self.num_cached_blocks < 0:
+            raise ValueError(f"num_cached_blocks must be >= 0, got {self.num_cached_blocks}")
         object.__setattr__(self, "expires_at", time.monotonic() + self.deadline_s)
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         fields_ = (self.request_id, self.endpoint, self.block_ids, self.layout, self.epoch)
-        return (Ticket, (*fields_, self.seconds_left()))
+        return (Ticket, (*fields_, self.seconds_left(), self.num_cached_blocks))
 
     @property
     def num_blocks(self) -> int:

@@ -81,10 +81,18 @@ class Receiver(Endpoint):
         landing.listener.settimeout(0.2)
         self._accept_thread = self._start("accept", self._accept_loop)
 
-    def open_ticket(self, request_id: str, block_ids: Sequence[int], deadline_s: float) -> Ticket:
-        """Called by decode after it reserved `block_ids` for a request. The transfer starts
-        PENDING and expires `deadline_s` seconds from now. Frees nothing; from now on the
-        blocks come back through `release` unless the transfer ends DONE."""
+    def open_ticket(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        deadline_s: float,
+        num_cached_blocks: int = 0,
+    ) -> Ticket:
+        """Called by decode after it reserved `block_ids` for a request: the destinations
+        of the prompt's blocks after its first `num_cached_blocks`, whose KV decode holds
+        already (`Ticket`). The transfer starts PENDING and expires `deadline_s` seconds
+        from now. Frees nothing; from now on the blocks come back through `release` unless
+        the transfer ends DONE."""
         if self.closed:
             raise RuntimeError("receiver is closed")
         ids, n = tuple(int(b) for b in block_ids), self.spec.num_blocks
@@ -92,7 +100,9 @@ class Receiver(Endpoint):
             raise ValueError(f"block ids must be distinct, in [0, {n}), not none")
         if deadline_s <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
-        ticket = Ticket(request_id, self.endpoint, ids, self.layout, self.epoch, deadline_s)
+        ticket = Ticket(
+            request_id, self.endpoint, ids, self.layout, self.epoch, deadline_s, num_cached_blocks
+        )
         self._table.add(TransferRecord(request_id, ids, ticket.expires_at))
         return ticket
 

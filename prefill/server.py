@@ -102,12 +102,11 @@ class PrefillServer:
         start = time.perf_counter()
         rid = spec.request_id
         request = self.replica.make_request(spec, prefill_only=True)
-        if len(ticket.block_ids) != self.engine.kv_manager.num_blocks_for(
-            len(request.prompt_token_ids)
-        ):
+        num_prompt_blocks = self.engine.kv_manager.num_blocks_for(request.num_prompt_tokens)
+        if ticket.num_cached_blocks + ticket.num_blocks != num_prompt_blocks:
             raise KVTransferError(
-                f"ticket for {rid} has {len(ticket.block_ids)} blocks, prompt needs "
-                f"{self.engine.kv_manager.num_blocks_for(len(request.prompt_token_ids))}"
+                f"ticket for {rid} has {ticket.num_blocks} blocks after "
+                f"{ticket.num_cached_blocks} cached, prompt needs {num_prompt_blocks}"
             )
         self.replica.counters["requests"] += 1
         timeline = PrefillTrace(
@@ -143,8 +142,7 @@ class PrefillServer:
             if not self._pending_tokens[spec.priority]:
                 del self._pending_tokens[spec.priority]
         phases = timeline.finish(request, state.value)
-        self.replica.counters["prompt_tokens"] += len(spec.prompt_token_ids)
-        self.replica.counters["cached_tokens"] += first.num_cached_tokens
+        self._count_tokens(request.num_prompt_tokens, first.num_cached_tokens, ticket)
         self.replica.counters["kv_transfer_bytes"] += (
             len(ticket.block_ids) * self.engine.kv_spec.bytes_per_block
         )
@@ -163,6 +161,19 @@ class PrefillServer:
             compute_ms=phases.compute_ms,
             transfer_ms=phases.transfer_ms,
         )
+
+    def _count_tokens(self, num_prompt: int, num_cached: int, ticket: Ticket) -> None:
+        """Per-prompt token counters: of its prompt tokens, those this replica's prefix
+        cache held (`cached_tokens`) or it computed (`computed_tokens`), those whose KV it
+        sent (`transferred_tokens`) and those a transfer of the whole prompt would have
+        sent (`full_transfer_tokens`: the decode replica held the rest already)."""
+        skipped = ticket.num_cached_blocks * self.engine.kv_spec.block_size
+        counters = self.replica.counters
+        counters["prompt_tokens"] += num_prompt
+        counters["cached_tokens"] += num_cached
+        counters["computed_tokens"] += num_prompt - num_cached
+        counters["transferred_tokens"] += num_prompt - skipped
+        counters["full_transfer_tokens"] += num_prompt
 
     async def warm(self, request: WarmRequest) -> str:
         """Called by a decode replica (`decode/warm_up.py`): connect to its KV receiver now,
@@ -199,14 +210,16 @@ class PrefillServer:
         """Engine thread: send each layer of requests whose prompt completes this step.
 
         Earlier chunks of a long prompt are already in the cache; the last chunk's pass
-        streams every block of the prompt, overlapping the transfer with its compute.
+        streams every block of the prompt the decode replica lacks (the ticket's blocks,
+        after those it holds already), overlapping the transfer with its compute.
         """
         sends = []
         timelines = []
         for item in output.scheduled:
             ticket = self._tickets.get(item.request.request_id)
             if ticket is not None and item.samples:
-                sends.append((ticket, item.block_table[: ticket.num_blocks]))
+                first = ticket.num_cached_blocks
+                sends.append((ticket, item.block_table[first : first + ticket.num_blocks]))
                 timeline = self._traces.get(item.request.request_id)
                 if timeline is not None and timeline.layer_sent_ns is not None:
                     timelines.append(timeline)
