@@ -24,6 +24,7 @@ from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestSpec
+from replica.prefix_digest import PrefixDigest
 from replica.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
@@ -131,6 +132,11 @@ class EngineReplica:
         # Prompts this replica computed for whole requests, queueing included (event loop).
         self.local_prefill = PrefillRate()
         self._num_routing_reports = 0
+        # Which prefixes this replica caches, for prefix-aware routing (routing stats).
+        pool = self.engine.kv_manager.pool
+        self.prefix_digest = (
+            PrefixDigest(pool, self.loop.call) if pool.enable_prefix_caching else None
+        )
 
     @property
     def model_id(self) -> str:
@@ -176,6 +182,10 @@ class EngineReplica:
                 SIGNAL_WINDOW_S,
                 observed_since=self.engine.started_at,
             ),
+            # The prefix cache's most durable blocks (`replica/prefix_digest.py`): routers
+            # prefer the replica holding the longest prefix of a prompt.
+            "block_size": self.engine.kv_manager.block_size,
+            "prefix_digest": self.prefix_digest.current() if self.prefix_digest else b"",
         }
 
     def make_request(

@@ -8,6 +8,8 @@
 - `fallback`: a degradable request moved to the fallback model's pool when it would be
   shed, its prefill pool's breaker is open, or its decode pool's queue is full.
 - `log`: the routing decisions an ingress replica made, for its report.
+- `prefix_index`, `prefix_choice`: which replica caches which prefixes, and the replica
+  routers' preference for the one caching the longest prefix of a prompt, within a load margin.
 
 `Placement.place` chains the first three; fallback acts after admission's shedding check.
 """

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from app.prepared import PreparedRequest
+from app.routing.prefix_choice import prefix_routing
 
 MAX_RECENT = 1000
 
@@ -46,5 +47,11 @@ class RoutingLog:
         )
 
     def report(self) -> dict[str, Any]:
-        """`{"counts": {key: n}, "recent": [decision, ...]}` (oldest first)."""
-        return {"counts": dict(self.counts), "recent": list(self.recent)}
+        """`{"counts": {key: n}, "recent": [decision, ...], "prefix": {pool: ...}}`: the
+        decisions (oldest first), and the replica routers' prefix-aware choices in this
+        process (`app/routing/prefix_choice.py`)."""
+        return {
+            "counts": dict(self.counts),
+            "recent": list(self.recent),
+            "prefix": prefix_routing.report(),
+        }

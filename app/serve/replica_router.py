@@ -27,6 +27,14 @@ the replica chosen for them exactly (no FIFO hand-over between requests), so an 
 holds for the request that carries it. The router also records, in `replica.placement`,
 which replica each prefill call was sent to (at the send, so a replica that never answers,
 not even to accept, is still known) and every pool's replicas with their stats.
+
+Prefix-aware: replicas also publish a digest of their prefix cache (`prefix_digest`,
+`block_size`; `replica/prefix_digest.py`). The router hashes each call's prompt blocks as
+the engine does (tenant-salted, chained), looks up how long a prefix each replica caches
+(`app/routing/prefix_index.py`) and credits it against that replica's queued tokens while
+its sequences stay near the least loaded replica's (`app/routing/prefix_choice.py`); a call
+with a cached prefix also counts only its uncached prompt tokens in flight. Its choices are
+counted per pool (`prefix_choice.prefix_routing`) for the ingress's stats report.
 """
 
 from __future__ import annotations
@@ -41,11 +49,17 @@ from typing import Any
 from ray.serve._private.common import ReplicaID, RunningReplicaInfo
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-# The module, not its objects: Serve pickles this router module by value into every caller
+# The modules, not their objects: Serve pickles this router module by value into every caller
 # process, and objects named here would travel as copies, not the process's shared ones.
+from app.routing import prefix_choice
+from app.routing.prefix_choice import Candidate, prefix_order
+from app.routing.prefix_index import PrefixIndex
 from replica import placement
+from replica.prefix_digest import prompt_block_keys
 
 MAX_IN_FLIGHT = 100_000  # far above the calls one process has open; bounds a lost completion
+# Blocks of a prompt hashed for the prefix lookup at most (32k tokens at 16 per block).
+MAX_PROMPT_BLOCKS = 2048
 # How long a replica's reports may lag behind a call (the stats period, 1 s, and Serve's
 # push). A call counts on the replica ranked first for it from that moment (Serve switches
 # tasks between choosing and sending, and a burst routed meanwhile must see it) until it is
@@ -85,8 +99,11 @@ class InFlight:
 
     def sent(self, call_id: str, replica: str, prompt_tokens: int, until_done: bool) -> None:
         """Serve is sending the call to `replica`; its prompt tokens count until it completes
-        (`until_done`: a prefill call) or for `report_lag_s` (a stream)."""
+        (`until_done`: a prefill call) or for `report_lag_s` (a stream). Sent where it was
+        ranked first, it counts the tokens of that ranking (its uncached ones) if fewer."""
         with self._lock:
+            if (entry := self._chosen.get(call_id)) is not None and entry[0] == replica:
+                prompt_tokens = min(prompt_tokens, entry[1])
             self._unchoose(call_id)
             serial = next(self._serials)
             self._sends[serial] = (call_id, replica, prompt_tokens)
@@ -208,6 +225,12 @@ class KVAwareRouter(RequestRouter):
             ledger = self._in_flight = InFlight()
         return ledger
 
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        if (index := getattr(self, "_prefix_index", None)) is None:
+            index = self._prefix_index = PrefixIndex()
+        return index
+
     def create_replica_wrapper(self, replica_info: RunningReplicaInfo) -> RunningReplica:
         replica = _TrackedReplica(replica_info)
         replica.in_flight = self.in_flight
@@ -218,10 +241,59 @@ class KVAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        placement.pool_view.update(
-            self._deployment_id.name,
-            [(replica_name(r), r.routing_stats or {}) for r in replicas],
-        )
+        named = [(replica_name(r), r.routing_stats or {}) for r in replicas]
+        placement.pool_view.update(self._deployment_id.name, named)
+        for name, stats in named:
+            self.prefix_index.update(name, stats)
+        self.prefix_index.retain(name for name, _ in named)
+
+    def _prompt_keys(self, first_arg: Any) -> list[int]:
+        """The call's prompt block keys, as its pool's replicas hash blocks ([] when the
+        call has no prompt or no replica publishes a digest)."""
+        prompt = getattr(first_arg, "prompt_token_ids", None)
+        block_size = self.prefix_index.block_size
+        if prompt is None or block_size is None:
+            return []
+        tenant = getattr(first_arg, "tenant", "") or ""
+        return prompt_block_keys(prompt, block_size, tenant, MAX_PROMPT_BLOCKS)
+
+    def _rank(self, replicas: list[RunningReplica], keys: list[int]) -> tuple[list[int], list[int]]:
+        """(order of `replicas`, most preferred first; blocks of the prompt each caches)."""
+        index = self.prefix_index
+        matched = [index.matched(replica_name(r), keys) for r in replicas]
+        block_size = index.block_size or 0
+        candidates = [
+            Candidate(
+                replica_load(r.routing_stats, self.in_flight.load(r.replica_id.unique_id)),
+                matched[i] * block_size,
+                random.random(),
+            )
+            for i, r in enumerate(replicas)
+        ]
+        return prefix_order(candidates), matched
+
+    def _chose(
+        self,
+        chosen: RunningReplica,
+        pending_request: PendingRequest | None,
+        keys: list[int],
+        cached_blocks: int,
+        best_blocks: int,
+    ) -> None:
+        """`chosen` is ranked first for the call, caching `cached_blocks` of its prompt's
+        `keys` where the pool's best caches `best_blocks`: count its uncached prompt tokens
+        in flight there, its blocks as sent there, and the choice."""
+        first_arg = pending_request.args[0] if pending_request and pending_request.args else None
+        cost = call_cost(first_arg)
+        if cost is not None and pending_request is not None:
+            uncached = max(0, cost[0] - cached_blocks * (self.prefix_index.block_size or 0))
+            call_id = pending_request.metadata.internal_request_id
+            self.in_flight.chosen(call_id, chosen.replica_id.unique_id, uncached)
+        if keys:
+            name = replica_name(chosen)
+            self.prefix_index.note_sent(name, keys)
+            stats = prefix_choice.prefix_routing.pool(self._deployment_id.name)
+            stats.record(name, cached_blocks, best_blocks, keys[0])
 
     async def choose_replicas(
         self,
@@ -235,16 +307,16 @@ class KVAwareRouter(RequestRouter):
         rest = [r for r in allowed if r not in first]
         with_stats = [r for r in rest if r.routing_stats]
         without = [r for r in rest if not r.routing_stats]
-
-        def key(r: RunningReplica) -> tuple[tuple[float, float, float], float]:
-            in_flight = self.in_flight.load(r.replica_id.unique_id)
-            return replica_load(r.routing_stats, in_flight), random.random()
-
-        ranks = [[r] for r in first + sorted(with_stats, key=key)]
-        cost = call_cost(first_arg)
-        if ranks and cost is not None and pending_request is not None:
-            call_id = pending_request.metadata.internal_request_id
-            self.in_flight.chosen(call_id, ranks[0][0].replica_id.unique_id, cost[0])
+        for r in with_stats:  # the stats Serve handed over (also pushed to update_replicas)
+            self.prefix_index.update(replica_name(r), r.routing_stats)
+        keys = self._prompt_keys(first_arg)
+        order, matched = self._rank(with_stats, keys)
+        ranked = first + [with_stats[i] for i in order]
+        ranks = [[r] for r in ranked]
+        if ranks:
+            chosen = ranks[0][0]
+            cached = matched[with_stats.index(chosen)] if chosen in with_stats else 0
+            self._chose(chosen, pending_request, keys, cached, max(matched, default=0))
         if without:
             ranks.append(without)
         return ranks
