@@ -67,6 +67,17 @@ def test_ticket_is_small_frozen_and_picklable(clock: list[float]) -> None:
     assert ticket.num_blocks == 3 and ticket.seconds_left() == pytest.approx(30.0)
 
 
+def test_ticket_carries_the_blocks_decode_holds_already(clock: list[float]) -> None:
+    """A suffix-only ticket: the first 5 blocks of the prompt stay where they are."""
+    layout = KVLayout.from_spec(SPEC, "m")
+    ticket = Ticket("r1", "tcp://10.0.0.1:5000", (4, 9), layout, 1, 30.0, num_cached_blocks=5)
+    copy = pickle.loads(pickle.dumps(ticket))
+    assert copy == ticket and copy.num_cached_blocks == 5 and copy.num_blocks == 2
+    assert Ticket("r1", "e", (4,), layout, 1, 30.0).num_cached_blocks == 0
+    with pytest.raises(ValueError, match="num_cached_blocks"):
+        Ticket("r1", "e", (4,), layout, 1, 30.0, num_cached_blocks=-1)
+
+
 def test_ticket_deadline_travels_as_the_time_left(clock: list[float]) -> None:
     """No wall-clock instant crosses hosts: a copy counts down from what was left."""
     layout = KVLayout.from_spec(SPEC, "m")
