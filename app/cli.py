@@ -1,4 +1,5 @@
-"""The `pdserve` command line: built-in models, offline generation, benchmarks (`bench/cli.py`).
+"""The `pdserve` command line: built-in models, offline generation, batch jobs
+(`app/batch/cli.py`), benchmarks (`bench/cli.py`).
 
 Results go to stdout (JSON where asked, and nothing else); logs and progress to stderr.
 """
@@ -113,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # `pdserve bench ...` goes to bench.cli before parsing; listed here for `pdserve --help`
     sub.add_parser("bench", help="benchmarks: `pdserve bench --help` lists them")
+    # `pdserve batch ...` likewise goes to app.batch.cli
+    sub.add_parser("batch", help="batch jobs: `pdserve batch submit in.jsonl --wait`")
     return parser
 
 
@@ -127,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["batch"]:
+        from app.batch.cli import main as batch_main
+
+        return batch_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "model":

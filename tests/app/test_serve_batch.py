@@ -202,6 +202,24 @@ def test_upload_over_the_limit_is_413(server: Server) -> None:
         )
 
 
+def test_cli_submit_waits_and_writes_the_output(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.batch.cli import main
+
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl("/v1/completions", [completion_body(i) for i in range(4)]))
+    out = tmp_path / "out.jsonl"
+    argv = ["--url", server.base_url, "--api-key", ACME, "submit", str(source), "--wait"]
+    assert main([*argv, "--out", str(out), "--poll-s", "0.2", "--json"]) == 0
+    captured = capsys.readouterr()
+    batch = json.loads(captured.out)
+    assert batch["status"] == "completed"
+    assert len(out.read_bytes().splitlines()) == 4
+    assert "4/4 lines" in captured.err
+    assert "tokens/s" in captured.err and "replica-seconds" in captured.err
+
+
 def test_ingress_killed_mid_job_completes_each_line_once(server: Server) -> None:
     client = server.openai(ACME)
     bodies = [completion_body(i, max_tokens=48) for i in range(48)]
