@@ -8,6 +8,7 @@ service the job has to itself and an upper bound when it shares one with interac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,14 +32,20 @@ def batch_service(
         executor,
         lambda: observe_load(frontend, executor, list(pools)),
         lambda active_s, num_in, num_out: unit_cost(frontend, active_s, num_in, num_out),
+        {
+            tenant.name: tenant.max_concurrent_requests
+            for tenant in config.tenants
+            if tenant.max_concurrent_requests is not None
+        },
     )
 
 
 def observe_load(frontend: Frontend, executor: LineExecutor, pools: list[str]) -> Load:
     """More important requests running through this replica, and whether any pool holds
     more important work waiting. With no batch class configured nothing is more important."""
+    now = time.monotonic()
     if executor.slo_class is None:
-        return Load(0, False)
+        return Load(0, False, now)
     slo = frontend.config.admission.slo_class(executor.slo_class)
     assert slo is not None  # line_executor keeps only a configured class
     running = frontend.runner.in_flight_by_priority
@@ -48,7 +55,7 @@ def observe_load(frontend: Frontend, executor: LineExecutor, pools: list[str]) -
         snapshot = frontend.overload.monitor.snapshot(pool)
         if snapshot is not None:
             stats.extend(snapshot.replicas.values())
-    return Load(num_running, queued_ahead(stats, slo.priority))
+    return Load(num_running, queued_ahead(stats, slo.priority), now)
 
 
 def unit_cost(frontend: Frontend, active_s: float, num_in: int, num_out: int) -> dict[str, str]:

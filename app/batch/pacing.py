@@ -3,10 +3,11 @@
 Every job of a replica draws its lines' slots from one `Window`. `Pacer` moves the window's
 limit every `pace_period_s` from what it observes:
 
-- nothing more important running through this replica, none queued at a pool: the limit
-  doubles (up to `max_concurrency`), so an idle service runs a job at large batches;
-- more important requests running here: the limit drops to `busy_concurrency` at once,
-  then grows by one per period up to it;
+- nothing more important running through this replica for `quiet_s`, none queued at a
+  pool: the limit doubles (up to `max_concurrency`), so an idle service runs a job at large
+  batches;
+- more important requests running here, or seen within `quiet_s`: the limit drops to
+  `busy_concurrency` at once, then grows by one per period up to it;
 - more important work queued at a pool (a decode replica's admission waiters, prompt tokens
   pending at a prefill replica, from the routing stats every ingress already reads), or a
   line refused for load (429/503/504): the limit halves, down to `min_concurrency`.
@@ -18,6 +19,7 @@ The policy is pure (no Ray, no clock of its own); `Window` is the event loop's.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,7 @@ class Load:
 
     num_running: int  # more important requests in flight through this ingress replica
     queued: bool  # more important work waiting at some pool
+    now: float  # monotonic seconds
 
 
 class Pacer:
@@ -40,12 +43,16 @@ class Pacer:
         self.min = settings.min_concurrency
         self.max = settings.max_concurrency
         self.busy = settings.busy_concurrency
+        self.quiet_s = settings.quiet_s
         self.limit = self.busy
+        self.busy_at = -math.inf  # when more important work was last seen
 
     def next_limit(self, load: Load) -> int:
+        if load.queued or load.num_running:
+            self.busy_at = load.now
         if load.queued:
             self.limit = max(self.min, self.limit // 2)
-        elif load.num_running:
+        elif load.now - self.busy_at < self.quiet_s:
             self.limit = min(self.busy, self.limit + 1)
         else:
             self.limit = min(self.max, self.limit * 2)

@@ -53,7 +53,10 @@ class JobRunner:
         window: Window,
         pacer: Pacer,
         unit_cost: UnitCost,
+        max_lines_in_flight: int | None = None,
     ) -> None:
+        """`max_lines_in_flight`: this job's own bound (its tenant's concurrency limit), on
+        top of the shared `window`."""
         self.batch_id = batch_id
         self.owner = owner
         self.jobs = jobs
@@ -68,6 +71,7 @@ class JobRunner:
         self.in_flight: set[asyncio.Task[None]] = set()
         self.stopping: str | None = None  # "cancelled" | "lost" | "expired"
         self.total = 0
+        self.own_slots = asyncio.Semaphore(max_lines_in_flight or 1_000_000)
         self._last_tend = time.monotonic()
 
     async def run(self) -> None:
@@ -120,9 +124,11 @@ class JobRunner:
         for line in lines:
             if line.index in self.records:
                 continue
+            await self.own_slots.acquire()
             await self.window.acquire()
             if self.stopping:
                 await self.window.release()
+                self.own_slots.release()
                 break
             task = asyncio.create_task(self._run_line(tenant, endpoint, line))
             self.in_flight.add(task)
@@ -157,6 +163,7 @@ class JobRunner:
             logger.exception("batch %s: line %d failed", self.batch_id, line.index)
         finally:
             await self.window.release()
+            self.own_slots.release()
 
     async def _record(self, record: dict[str, Any]) -> None:
         """Append a finished line's result, then count it (never twice)."""

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,10 +52,12 @@ class BatchService:
         execute: Execute,
         observe_load: Callable[[], Load],
         unit_cost: UnitCost,
+        tenant_limits: Mapping[str, int] | None = None,
     ) -> None:
         """`execute` runs one line for a tenant; `observe_load` says what more important
         work is running or queued; `unit_cost` turns a job's active seconds and tokens into
-        its metadata figures."""
+        its metadata figures; `tenant_limits`: tenant -> its concurrency limit, which bounds
+        its jobs' lines in flight (more would only wait in its queue)."""
         self.settings = settings
         root = Path(settings.store_dir).expanduser()
         self.files = FileStore(root)
@@ -63,6 +65,7 @@ class BatchService:
         self.execute = execute
         self.observe_load = observe_load
         self.unit_cost = unit_cost
+        self.tenant_limits = dict(tenant_limits or {})
         self.owner = uuid.uuid4().hex
         self.pacer = Pacer(settings)
         self.window = Window(self.pacer.limit)
@@ -105,18 +108,20 @@ class BatchService:
                 self.running[batch_id] = task
 
     async def _run(self, batch_id: str) -> None:
-        runner = JobRunner(
-            batch_id,
-            self.owner,
-            self.jobs,
-            self.files,
-            self.settings,
-            self.execute,
-            self.window,
-            self.pacer,
-            self.unit_cost,
-        )
         try:
+            tenant = (await asyncio.to_thread(self.jobs.record, batch_id))["tenant"]
+            runner = JobRunner(
+                batch_id,
+                self.owner,
+                self.jobs,
+                self.files,
+                self.settings,
+                self.execute,
+                self.window,
+                self.pacer,
+                self.unit_cost,
+                self.tenant_limits.get(tenant),
+            )
             await runner.run()
         except Exception:  # noqa: BLE001 - the lease runs out; a replica tries it again
             logger.exception("batch %s: runner failed", batch_id)

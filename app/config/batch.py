@@ -49,6 +49,14 @@ class BatchSettings(_Strict):
         description="Lines in flight at most while more important requests run through "
         "this ingress replica; halved (down to min_concurrency) while they queue at a pool.",
     )
+    quiet_s: float = Field(
+        default=3.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds without more important requests before lines in flight may "
+        "grow past busy_concurrency again (so a gap between interactive requests does not "
+        "fill the decode slots they are about to need).",
+    )
     pace_period_s: float = Field(
         default=0.25, gt=0, allow_inf_nan=False, description="How often the pace is adjusted."
     )

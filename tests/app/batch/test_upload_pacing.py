@@ -58,16 +58,19 @@ def test_malformed_upload_is_400() -> None:
 
 
 def test_pacer_grows_when_idle_and_backs_off_for_more_important_work() -> None:
-    settings = BatchSettings(min_concurrency=1, busy_concurrency=4, max_concurrency=64)
+    settings = BatchSettings(min_concurrency=1, busy_concurrency=4, max_concurrency=64, quiet_s=3.0)
     pacer = Pacer(settings)
-    limits = [pacer.next_limit(Load(0, False)) for _ in range(6)]
+    limits = [pacer.next_limit(Load(0, False, now=t)) for t in range(6)]
     assert limits == [8, 16, 32, 64, 64, 64]
-    assert pacer.next_limit(Load(3, False)) == 4  # interactive running: busy at once
-    assert pacer.next_limit(Load(0, True)) == 2  # interactive queued: halve
-    assert pacer.next_limit(Load(0, True)) == 1
-    assert pacer.next_limit(Load(0, True)) == 1
-    assert pacer.next_limit(Load(1, False)) == 2
+    assert pacer.next_limit(Load(3, False, now=10)) == 4  # interactive running: busy at once
+    assert pacer.next_limit(Load(0, True, now=11)) == 2  # interactive queued: halve
+    assert pacer.next_limit(Load(0, True, now=12)) == 1
+    assert pacer.next_limit(Load(0, True, now=13)) == 1
+    assert pacer.next_limit(Load(1, False, now=14)) == 2
     assert pacer.refused() == 1
+    # Quiet for less than quiet_s: up by one, no further than busy; then doubling again.
+    assert [pacer.next_limit(Load(0, False, now=t)) for t in (15, 16, 16.5)] == [2, 3, 4]
+    assert pacer.next_limit(Load(0, False, now=17.5)) == 8
 
 
 def test_queued_ahead_reads_more_important_waiters_only() -> None:
