@@ -41,6 +41,7 @@ def delta(
     finish_reason: str | None = None,
     num_prompt_tokens: int = 5,
     num_cached_tokens: int = 0,
+    num_transferred_tokens: int = 0,
 ) -> RequestOutput:
     return RequestOutput(
         request_id="r",
@@ -52,6 +53,7 @@ def delta(
         num_prompt_tokens=num_prompt_tokens,
         num_output_tokens=num_output_tokens,
         num_cached_tokens=num_cached_tokens,
+        num_transferred_tokens=num_transferred_tokens,
     )
 
 
@@ -88,6 +90,28 @@ def test_completion_builder_whole_response_with_n_2() -> None:
     assert parsed.usage.total_tokens == 11
     assert parsed.usage.prompt_tokens_details is not None
     assert parsed.usage.prompt_tokens_details.cached_tokens == 0  # cached for every choice
+
+
+def test_usage_counts_the_kv_moved_for_every_choice() -> None:
+    builder = CompletionBuilder("m", n=2)
+    for index, (cached, moved) in enumerate([(16, 4), (0, 20)]):
+        builder.add(
+            index,
+            delta(
+                "x",
+                [0x78],
+                1,
+                finish_reason="length",
+                num_prompt_tokens=20,
+                num_cached_tokens=cached,
+                num_transferred_tokens=moved,
+            ),
+        )
+    parsed = openai.types.Completion.model_validate(builder.build().model_dump())
+    assert parsed.usage is not None and parsed.usage.prompt_tokens_details is not None
+    details = parsed.usage.prompt_tokens_details
+    assert details.cached_tokens == 0
+    assert (details.model_extra or {})["kv_transferred_tokens"] == 24
 
 
 def test_completion_builder_logprobs() -> None:
