@@ -23,11 +23,13 @@ class Bench(NamedTuple):
 BENCHES: dict[str, Bench] = {
     "accuracy": Bench("bench.offline.accuracy", "FP8 weights and KV cache vs full precision"),
     "autoscale": Bench("bench.autoscale.main", "a ramp that stresses each pool's own signal"),
+    "batch": Bench("bench.batch.main", "a batch job vs the engine offline, and beside interactive"),
     "chaos": Bench("bench.chaos.main", "mixed load while replicas are killed and frozen"),
     "compare": Bench("bench.compare.main", "goodput of several configs, with intervals"),
     "engine": Bench("bench.offline.throughput", "the engine vs transformers and the roofline"),
     "goodput": Bench("bench.goodput.sweep", "the highest rate a server sustains within SLOs"),
     "itl": Bench("bench.serve.itl", "batch-1 inter-token latency: HTTP vs the bare engine"),
+    "multiturn": Bench("bench.multiturn.main", "conversations resending their history, per config"),
     "overload": Bench("bench.overload.main", "classes at 3x the goodput, admission on vs off"),
     "serve": Bench("bench.serve.loadgen", "one run at one rate against an OpenAI endpoint"),
     "summary": Bench("bench.compare.summary", "the config x workload table of compare files"),

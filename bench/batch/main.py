@@ -1,0 +1,237 @@
+"""`pdserve bench batch`: a batch job on an idle service against the engine's own offline
+throughput, then beside interactive load against that load alone.
+
+1. **Offline**: the job's requests (`--requests` greedy completions of `--prompt-tokens`
+   random tokens, `--max-tokens` generated each, EOS ignored) handed to one `Engine` in this
+   process at once, with the config's decode pool's engine settings and `--num-cpus` torch
+   threads (the cores the app gets): `offline_tok_s`, generated tokens/s.
+2. The config is deployed on a private Ray instance with `--num-cpus` CPUs, plus a tenant of
+   its own for the job (default class: the config's `batch` class, no limits of its own);
+   interactive requests are sent by the config's first tenant whose default class is
+   `interactive`, and judged by that class's TTFT/TPOT SLOs.
+3. **Idle**: the job is submitted (OpenAI Batch API) and followed to completion:
+   `job_tok_s` = its generated tokens / wall time from submit to completed.
+4. **Capacity**: a closed-loop probe of interactive requests (`--interactive-prompt-tokens`,
+   `--interactive-max-tokens`), doubling concurrency to saturation (`bench.serve.capacity`).
+5. **Interactive alone**: Poisson arrivals at `--load` (0.5) x that capacity for
+   `--duration` s: `interactive_attainment_without`.
+6. **Interactive with a job**: the same job submitted again, then the same arrivals:
+   `interactive_attainment_with_job`; the job is followed until it completes.
+
+    pdserve bench batch --config cpu-tenants --model small --json out.json
+
+writes the JSON (every figure, the job timelines, the interactive records) and `out.png`
+beside it (job throughput over time, the interactive load marked); the last stdout line is
+the summary as one JSON object. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.batch.jobs import (
+    JobRun,
+    JobShape,
+    interactive_capacity,
+    offline_tok_s,
+    run_job,
+    with_threads,
+)
+from bench.batch.report import plot, verdicts
+from bench.serve.deploy import add_app_arguments, app_args, free_port, running_app
+from bench.serve.loadgen import Target, run_load
+from bench.serve.metrics import SLO, attainment, finite_or_none
+from bench.serve.workloads import FixedWorkload, make_prompt, schedule
+
+JOB_TENANT = "bench-batch"
+
+
+def plan_args(options: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The app's args (with the job's tenant and a fresh store) and who sends what."""
+    args = app_args(options.config, options.model, options.dtype, free_port())
+    classes = {c["name"]: c for c in (args.get("admission") or {}).get("classes", [])}
+    if options.batch_class not in classes or options.interactive_class not in classes:
+        raise SystemExit(
+            f"the config needs classes {options.batch_class!r} and "
+            f"{options.interactive_class!r} (admission.classes)"
+        )
+    interactive_tenant = next(
+        (t for t in args.get("tenants", []) if t.get("default_class") == options.interactive_class),
+        None,
+    )
+    if interactive_tenant is None or not interactive_tenant.get("api_keys"):
+        raise SystemExit(
+            f"no tenant with inline keys has default_class {options.interactive_class!r}"
+        )
+    job_key = f"sk-bench-batch-{secrets.token_hex(8)}"
+    args["tenants"] = [
+        *args["tenants"],
+        {"name": JOB_TENANT, "api_keys": [job_key], "default_class": options.batch_class},
+    ]
+    args["admin_api_keys"] = [f"sk-bench-admin-{secrets.token_hex(8)}"]
+    store = tempfile.mkdtemp(prefix="pdserve-bench-batch-")
+    args["batch"] = {**(args.get("batch") or {}), "store_dir": store}
+    slo = classes[options.interactive_class]
+    who = {
+        "job_key": job_key,
+        "interactive_key": interactive_tenant["api_keys"][0],
+        "interactive_tenant": interactive_tenant["name"],
+        "slo": SLO(slo["ttft_s"] * 1000, slo["tpot_s"] * 1000),
+    }
+    return args, who
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+async def loaded_phase(
+    base_url: str,
+    who: dict[str, Any],
+    shape: JobShape,
+    model: str,
+    target: Target,
+    arrivals: list[Any],
+    options: argparse.Namespace,
+) -> tuple[JobRun, Any, tuple[float, float]]:
+    """The job submitted, then the interactive arrivals beside it; (job, load, window)."""
+    run = JobRun()
+    job = asyncio.create_task(run_job(base_url, who["job_key"], shape, model, run=run))
+    while not run.batch_id:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(options.job_lead_s)  # the job under way before the load starts
+    load_start = time.time() - run.submitted_at
+    result = await run_load(target, arrivals, desc="interactive with the job")
+    load_end = load_start + result.duration_s
+    return await job, result, (load_start, load_end)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pdserve bench batch",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    add_app_arguments(parser, "cpu-tenants")
+    parser.add_argument("--requests", type=int, default=256, help="lines of the job")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--interactive-prompt-tokens", type=int, default=128)
+    parser.add_argument("--interactive-max-tokens", type=int, default=32)
+    parser.add_argument("--load", type=float, default=0.5, help="interactive rate / capacity")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of interactive load")
+    parser.add_argument("--probe-s", type=float, default=8.0, help="seconds per capacity point")
+    parser.add_argument("--job-lead-s", type=float, default=2.0, help="job start to load start")
+    parser.add_argument("--batch-class", default="batch")
+    parser.add_argument("--interactive-class", default="interactive")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, required=True, help="write the result here")
+    options = parser.parse_args(argv)
+    for name in ("httpx", "httpx2", "openai"):  # no log line per poll
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    from app.config import load_config
+
+    args, who = plan_args(options)
+    config = load_config(args)
+    shape = JobShape(options.requests, options.prompt_tokens, options.max_tokens, options.seed)
+    decode = config.pools_by_role("decode")[0]
+    engine_config = with_threads(config.engine_config(decode), options.num_cpus)
+    print(f"offline: {shape.num_requests} requests on the engine", file=sys.stderr)
+    offline = offline_tok_s(engine_config, shape)
+    print(f"offline: {offline['tok_s']:.1f} generated tok/s", file=sys.stderr)
+
+    document: dict[str, Any] = {
+        "config": options.config,
+        "model": config.model.model,
+        "num_cpus": options.num_cpus,
+        "host": {
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+        },
+        "job": {
+            "num_requests": shape.num_requests,
+            "prompt_tokens": shape.prompt_tokens,
+            "max_tokens": shape.max_tokens,
+        },
+        "offline": offline,
+        "load_average_before": _loadavg(),
+    }
+    interactive = FixedWorkload(options.interactive_prompt_tokens, options.interactive_max_tokens)
+    with running_app(args, options.num_cpus, any_port=True) as app:
+        model = app.model_name
+        target = Target(app.base_url, model, api_key=who["interactive_key"])
+        warm = schedule(interactive, 1.0, 1.0, seed=options.seed + 7, num_requests=2)
+        asyncio.run(run_load(target, warm, concurrency=1, progress=False))
+
+        idle = asyncio.run(run_job(app.base_url, who["job_key"], shape, model))
+        document["idle"] = {
+            "job_tok_s": idle.tok_s(shape.max_tokens),
+            "job": idle.to_dict(shape.max_tokens),
+        }
+        print(f"idle: job {document['idle']['job_tok_s'] or 0:.1f} tok/s", file=sys.stderr)
+
+        rng = np.random.default_rng(options.seed + 11)
+        probe_prompts = [make_prompt(options.interactive_prompt_tokens, rng) for _ in range(64)]
+        capacity = asyncio.run(
+            interactive_capacity(
+                app.base_url,
+                who["interactive_key"],
+                model,
+                probe_prompts,
+                options.interactive_max_tokens,
+                options.probe_s,
+            )
+        )
+        rate = options.load * capacity.requests_per_s
+        print(
+            f"capacity {capacity.requests_per_s:.2f} req/s; interactive at {rate:.2f}",
+            file=sys.stderr,
+        )
+        arrivals = schedule(interactive, rate, options.duration, seed=options.seed)
+        alone = asyncio.run(run_load(target, arrivals, desc="interactive alone"))
+        loaded_job, beside, window = asyncio.run(
+            loaded_phase(app.base_url, who, shape, model, target, arrivals, options)
+        )
+    slo = who["slo"]
+    document["loaded"] = {
+        "capacity": capacity.to_dict(),
+        "interactive_rate": rate,
+        "interactive_tenant": who["interactive_tenant"],
+        "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
+        "interactive_attainment_without": attainment(alone.records, slo),
+        "interactive_attainment_with_job": attainment(beside.records, slo),
+        "load_window_s": list(window),
+        "job": loaded_job.to_dict(shape.max_tokens),
+        "records_without": [r.to_dict() for r in alone.records],
+        "records_with_job": [r.to_dict() for r in beside.records],
+    }
+    document["load_average_after"] = _loadavg()
+    document["verdicts"] = verdicts(document)
+    document["figure"] = plot(document, beside.records, options.json.with_suffix(".png"))
+    options.json.write_text(json.dumps(finite_or_none(document), indent=1))
+    summary = {
+        "offline_tok_s": offline["tok_s"],
+        "job_tok_s": document["idle"]["job_tok_s"],
+        "interactive_rate": rate,
+        "interactive_attainment_without": document["loaded"]["interactive_attainment_without"],
+        "interactive_attainment_with_job": document["loaded"]["interactive_attainment_with_job"],
+        **document["verdicts"],
+    }
+    print(json.dumps(finite_or_none(summary)))
+    return 0
