@@ -5,8 +5,9 @@ an arrival process turns a rate into send offsets. `schedule(...)` zips the two 
 `ScheduledRequest` list the load generator replays. Everything is deterministic given the
 seed, and free of I/O except `read_trace`, which reads its JSONL file once.
 
-On the command line (`--workload`): `fixed`, `trace`, and the two-class presets of
-`WORKLOAD_PRESETS` over `MixedWorkload`: `mixed`, `chat`, `long-context`, `multi-tenant`.
+On the command line (`--workload`): `fixed`, `trace`, the two-class presets of
+`WORKLOAD_PRESETS` over `MixedWorkload`: `mixed`, `chat`, `long-context`, `multi-tenant`, and
+`multiturn`: conversations whose turns resend their history (`bench/serve/conversations.py`).
 
 Prompt lengths are in tokens of our byte-level built-in models: one ASCII character is one
 token, and the server adds one BOS token (`special_tokens=1`). Against another server with a
@@ -282,7 +283,9 @@ PER_CLASS_SLO = frozenset({"multi-tenant"})
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The workload and arrival options shared by `bench serve`, `goodput` and `compare`."""
     g = parser.add_argument_group("workload")
-    g.add_argument("--workload", choices=["fixed", *WORKLOAD_PRESETS, "trace"], default="mixed")
+    g.add_argument(
+        "--workload", choices=["fixed", *WORKLOAD_PRESETS, "multiturn", "trace"], default="mixed"
+    )
     g.add_argument("--input-len", type=int, default=256, help="fixed: prompt tokens")
     g.add_argument("--output-len", type=int, default=128, help="fixed: new tokens")
     short, long = "short/chat/interactive", "long/batch"
@@ -296,6 +299,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", type=Path, default=None, help="trace: JSONL file")
     g.add_argument("--trace-time-scale", type=float, default=1.0, help="trace: offset factor")
     g.add_argument("--special-tokens", type=int, default=1, help="tokens the server adds (BOS)")
+    from bench.serve.conversations import add_conversation_args  # it imports this module
+
+    add_conversation_args(parser, think_s=4.0)  # open loop: a turn rarely waits for the last
     a = parser.add_argument_group("arrivals")
     a.add_argument("--arrival", choices=ARRIVAL_PROCESSES, default="poisson")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
@@ -333,6 +339,15 @@ def workload_from_args(args: argparse.Namespace) -> FixedWorkload | MixedWorkloa
 def class_shapes(args: argparse.Namespace) -> dict[str, FixedWorkload]:
     """One fixed shape per class the workload sends, by label: the nominal short request
     and the longest long prompt (what isolated-request measurements time)."""
+    if args.workload == "multiturn":  # a fresh first turn, and a fresh prompt as long as the last
+        from bench.serve.conversations import FIRST, LATER, conversation_shape
+
+        c = conversation_shape(args)
+        last_len = c.prompt_len(c.num_turns - 1) + args.special_tokens
+        return {
+            FIRST: FixedWorkload(c.first_len + args.special_tokens, c.output_len),
+            LATER: FixedWorkload(last_len, c.output_len),
+        }
     workload = workload_from_args(args)
     if isinstance(workload, FixedWorkload):
         return {"fixed": workload}
@@ -359,6 +374,12 @@ def requests_from_args(
         return schedule_trace(entries, args.trace_time_scale)
     if rate is None:
         raise SystemExit(f"--workload {args.workload} needs --rate")
+    if args.workload == "multiturn":
+        from bench.serve.conversations import conversation_shape, schedule_conversations
+
+        count = num_requests if num_requests is not None else max(1, math.ceil(rate * duration_s))
+        shape = conversation_shape(args)
+        return schedule_conversations(shape, rate, count, args.seed, args.special_tokens)
     workload = workload_from_args(args)
     return schedule(
         workload, rate, duration_s, args.arrival, args.burstiness, args.seed, num_requests
@@ -373,6 +394,10 @@ def describe_workload(args: argparse.Namespace) -> dict[str, object]:
         out.update(input_len=args.input_len, output_len=args.output_len)
     elif args.workload in WORKLOAD_PRESETS:
         out.update(workload_shape(args), labels=list(WORKLOAD_PRESETS[args.workload][0]))
+    elif args.workload == "multiturn":
+        from bench.serve.conversations import conversation_shape, describe_shape
+
+        out.update(describe_shape(conversation_shape(args)))
     else:
         out.update(trace=str(args.trace), trace_time_scale=args.trace_time_scale)
     return out
