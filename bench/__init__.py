@@ -4,5 +4,6 @@ names them).
 - `offline/`: one component without Serve: the engine, decode TPOT, FP8 accuracy, KV transfer;
 - `serve/`: a deployed service: deploying it, its faults, capacity, load generation, metrics;
 - `goodput/`: the knee search, its intervals and the goodput sweep;
-- `compare/`, `overload/`, `autoscale/`, `chaos/`: one benchmark each, built on those.
+- each other benchmark, a package of its own built on those: `compare/`, `overload/`,
+  `autoscale/`, `chaos/`, `batch/`.
 """
