@@ -1,8 +1,8 @@
 """Multi-turn conversations through a decode replica and a prefill replica (one process,
-KV over loopback `tcp`): every turn is token-identical to `transformers` greedy on every
-route, later turns compute and move only what the caches lack, tenants never share
-blocks, and a transfer that fails or is cancelled midway leaves the cached prefix intact
-and every block free.
+KV over loopback `tcp`, and `shm` for the suffix-only route): every turn is token-identical
+to `transformers` greedy on every route, later turns compute and move only what the caches
+lack, tenants never share blocks, and a transfer that fails or is cancelled midway leaves
+the cached prefix intact and every block free.
 
 Routes: local (no prefill pool), remote with full transfer (the decode replica caches
 nothing), remote suffix-only (the ticket skips the prefix decode holds), local suffix (a
@@ -85,18 +85,19 @@ def make_servers(
     decode_prefix_cache: bool = True,
     num_blocks: int | None = None,
     local_prefill_threshold: int = 0,
+    backend: str = "tcp",
 ) -> tuple[PrefillServer, DecodeServer, RecordingHandle]:
     cache = CacheConfig()
     if num_blocks is not None:
         cache = replace(cache, kv_cache_bytes=num_blocks * BYTES_PER_BLOCK)
     config = EngineConfig(model_dir=str(model_dir), cache=cache, scheduler=CHUNKED)
     options = TransferOptions(fence_timeout_s=2.0, reap_interval_s=0.02)
-    prefill = PrefillServer(config, backend="tcp", transfer_options=options)
+    prefill = PrefillServer(config, backend=backend, transfer_options=options)
     handle = RecordingHandle(prefill)
     decode_cache = replace(cache, enable_prefix_caching=decode_prefix_cache)
     decode = DecodeServer(
         replace(config, cache=decode_cache),
-        backend="tcp",
+        backend=backend,
         transfer_options=options,
         prefill_pools={"p": handle},
         deadline_s=10,
@@ -213,6 +214,7 @@ def test_remote_full_transfer_when_decode_holds_nothing(servers, hf: HFGreedyIds
     assert_all_free(prefill, decode)
 
 
+@pytest.mark.parametrize("servers", [{"backend": "tcp"}, {"backend": "shm"}], indirect=True)
 def test_remote_suffix_only_moves_what_decode_lacks(servers, hf: HFGreedyIds) -> None:
     prefill, decode, handle = servers
     conversation = Conversation(seed=3)
