@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.multiturn.client import Turn, TurnRecord, run_conversation, send_turn
-from bench.multiturn.report import aggregate, plot_ttft
+from bench.multiturn.report import aggregate, conversation_shares, plot_ttft
 from bench.serve.conversations import (
     Conversation,
     ConversationShape,
@@ -83,7 +84,7 @@ async def run_turns(
     timeout = httpx.Timeout(timeout_s, connect=30.0)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
         for i in range(WARMUP_TURNS):  # prompts of their own: no conversation's prefix
-            warm = Turn(-1, 0, tuple(range(100 + i, 164 + i)), 4, "", 0.0)
+            warm = Turn(-1, 0, (100,) * 16 + tuple(range(100 + i, 148 + i)), 4, "", 0.0)
             await send_turn(client, model, warm, time.perf_counter(), timeout_s)
         total = sum(len(t) for t in turns)
         bar = tqdm(total=total, desc=desc, file=sys.stderr, disable=not progress)
@@ -122,7 +123,10 @@ def run_config(
         stats = fetch_stats(app.base_url, None, since)
     report = aggregate(records, block_size)
     routing = stats.get("routing") or {}
-    report["prefix_routing"] = routing.get("prefix", {"error": stats.get("error", "absent")})
+    prefix = routing.get("prefix")
+    report["prefix_routing"] = prefix or {"error": stats.get("error", "absent")}
+    # The warm-up prompts (one first block for all) count as one conversation more.
+    report["max_conversation_share"] = conversation_shares(prefix or {})
     return report
 
 
@@ -157,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if not names:
         parser.error("--configs: at least one config")

@@ -67,6 +67,27 @@ def hit_rate(records: Sequence[TurnRecord], block_size: int) -> float | None:
     return round(hits / later, 4) if later else None
 
 
+def route_kind(reason: str | None) -> str:
+    """The gist of an `x-pdserve-route` reason: "whole" (decode overflow served the request
+    on a prefill pool), "local" (prefilled where it decodes), "remote", or "-" (none)."""
+    if not reason:
+        return "-"
+    if "served whole" in reason:
+        return "whole"
+    return "local" if "local prefill" in reason else "remote"
+
+
+def conversation_shares(prefix_routing: Mapping[str, Any]) -> dict[str, float]:
+    """Per pool of the ingress's prefix-routing report: the largest share of conversations
+    (distinct first blocks) last sent to one replica."""
+    shares = {}
+    for pool, report in prefix_routing.items():
+        counts = [r.get("conversations", 0) for r in (report.get("replicas") or {}).values()]
+        if sum(counts):
+            shares[pool] = round(max(counts) / sum(counts), 4)
+    return shares
+
+
 def aggregate(records: Sequence[TurnRecord], block_size: int) -> dict[str, Any]:
     """One config's report: the later turns' figures, per-turn rows, hit rate, wrong."""
     later = summarize([r for r in records if r.turn > 0])
@@ -81,7 +102,7 @@ def aggregate(records: Sequence[TurnRecord], block_size: int) -> dict[str, Any]:
         "wrong": sum(r.wrong for r in records),
         "failed": sum(not r.success for r in records),
         "errors": sorted({r.error for r in records if r.error})[:5],
-        "routes": dict(Counter(r.route or "-" for r in records)),
+        "routes": dict(Counter(route_kind(r.route) for r in records)),
         "turns": [{"turn": t + 1, **summarize([r for r in records if r.turn == t])} for t in turns],
     }
 

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from bench.multiturn.client import TurnRecord, usage_figures
-from bench.multiturn.report import aggregate, hit_rate, plot_ttft
+from bench.multiturn.report import (
+    aggregate,
+    conversation_shares,
+    hit_rate,
+    plot_ttft,
+    route_kind,
+)
 
 
 def turn(
@@ -75,3 +81,24 @@ def test_the_plot_is_written(tmp_path: Path) -> None:
     path = tmp_path / "ttft.png"
     plot_ttft({"a": report, "b": report}, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_route_kinds_and_conversation_shares() -> None:
+    assert route_kind(None) == "-"
+    assert (
+        route_kind("len 513 < local_prefill_threshold 4097 -> local prefill on decode") == "local"
+    )
+    assert (
+        route_kind(
+            "adaptive: ... -> remote prefill; decode overflow: ... -> served whole on prefill"
+        )
+        == "whole"
+    )
+    assert (
+        route_kind("len 705 in [1, inf] -> pool prefill, decode pool decode; admitted") == "remote"
+    )
+    routing = {
+        "decode": {"replicas": {"a": {"conversations": 6}, "b": {"conversations": 4}}},
+        "prefill": {"replicas": {}},
+    }
+    assert conversation_shares(routing) == {"decode": 0.6}
