@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.kernels import paged_attention, write_kv_cache
-from engine.kernels.linear import linear, linear_ref, pack_linear_weight, uses_onednn
+from engine.kernels import gemm_f32, paged_attention, write_kv_cache
+from engine.kernels.linear import Packing, linear, linear_ref, pack_linear_weight, packing
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.norm_rope import apply_rope, rms_norm, silu_and_mul
 from engine.kv_cache import TORCH_DTYPES, KVCache
@@ -89,11 +89,12 @@ class RotaryEmbedding(nn.Module):
 class Linear(nn.Module):
     """`y = x @ W^T + b`, loaded as `weight_t` (`[in, out]`, contiguous).
 
-    Where `engine.kernels.linear.uses_onednn` (CPU bfloat16; float32 off Intel) `pack()`
-    then moves the weight into oneDNN's blocked layout: `weight_packed` replaces `weight_t`
-    (same bytes, logical shape `[out, in]`) and every call is one oneDNN matmul. Elsewhere
-    `x @ weight_t` runs: MKL's GEMM for a decode step's few rows is 4-5x faster on `[in, out]`
-    than on `nn.Linear`'s `[out, in]` (and bit-identical), cuBLAS takes either layout.
+    On the CPU `pack()` then moves the weight into the packed layout `engine.kernels.linear`
+    picks for it (`packing`): float32 goes to the C GEMM's column blocks
+    (`engine.kernels.gemm_f32`), bfloat16 to oneDNN's blocked layout. `weight_packed`
+    replaces `weight_t` (the same bytes, give or take one block's padding). Elsewhere
+    `x @ weight_t` runs: cuBLAS takes either layout, and MKL's GEMM for a decode step's few
+    rows is 4-5x faster on `[in, out]` than on `nn.Linear`'s `[out, in]` (and bit-identical).
     """
 
     weight_t: nn.Parameter | None
@@ -101,24 +102,42 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.weight_packed = None
+        self.packing: Packing | None = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [.., out]
-        if self.weight_packed is not None:
+        if self.packing == "f32":
+            assert self.weight_packed is not None
+            return gemm_f32.gemm(x, self.weight_packed, self.out_features, self.bias)
+        if self.packing == "onednn":
+            assert self.weight_packed is not None
             return linear(x, self.weight_packed, self.bias)
         assert self.weight_t is not None
         return linear_ref(x, self.weight_t, self.bias)
 
     def pack(self) -> None:
         """Once the weight is loaded: pack it for `engine.kernels.linear` where that runs."""
-        if self.weight_t is None or not uses_onednn(self.weight_t):
+        kind = None if self.weight_t is None else packing(self.weight_t)
+        if kind is None:
             return
-        packed = pack_linear_weight(self.weight_t.detach())
+        assert self.weight_t is not None
+        weight_t = self.weight_t.detach()
+        packed = gemm_f32.pack(weight_t) if kind == "f32" else pack_linear_weight(weight_t)
         assert packed is not None
         self.weight_packed = nn.Parameter(packed, requires_grad=False)
+        self.packing = kind
         self.weight_t = None
+
+    def unpack(self) -> None:
+        """Back to a dense `weight_t` (its values to be loaded again): `pack` undone."""
+        if self.weight_packed is None:
+            return
+        self.weight_t = nn.Parameter(torch.empty(self.in_features, self.out_features))
+        self.weight_packed = None
+        self.packing = None
 
 
 def projection(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -291,6 +310,9 @@ class CausalLM(nn.Module):
         `quantization: fp8` projections are quantized (or taken as FP8 with their scales,
         `engine.quantization`); KV-cache scales are taken where the checkpoint has them."""
         quantized = self.config.quantization == "fp8"
+        packed = [m for m in self.modules() if isinstance(m, Linear) and m.weight_t is None]
+        for module in packed:  # loaded again: dense while loading, packed again after
+            module.unpack()
         state = dict(state_dict)
         if quantized:
             prepare_fp8_weights(state)  # whole tensors: TP=N quantizes exactly as TP=1
@@ -360,3 +382,5 @@ class CausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"model parameters not in checkpoint: {sorted(missing)[:5]}")
+        for module in packed:
+            module.pack()

@@ -1,4 +1,11 @@
-"""Dense projections on the CPU: `y = x @ W^T + b` through oneDNN with prepacked weights.
+"""Dense projections on the CPU: `y = x @ W^T + b` on a weight packed once, at load.
+
+`packing` picks, per weight, one of two packed forms (or none):
+
+- `"f32"`: float32 on x86-64 with AVX-512, the C GEMM of `engine.kernels.gemm_f32`, which
+  sums in the order of MKL's (so float32 greedy output stays token-identical to
+  `transformers`) and streams a decode step's weights at several times MKL's rate.
+- `"onednn"`: oneDNN, below.
 
 `pack_linear_weight` reorders a weight once, at load, into oneDNN's blocked layout for this
 CPU's widest instructions (AVX-512, AVX512-BF16, AMX); `linear` then runs one oneDNN
@@ -22,8 +29,13 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Literal
 
 import torch
+
+from engine.kernels import gemm_f32
+
+Packing = Literal["f32", "onednn"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Row count oneDNN tunes the packed layout for: a decode step's batch. Measured on a Xeon
@@ -57,6 +69,19 @@ def uses_onednn(weight_t: torch.Tensor) -> bool:
     if weight_t.dtype == torch.float32:
         return not (torch.backends.mkl.is_available() and _intel_cpu())
     return True
+
+
+def packing(weight_t: torch.Tensor) -> Packing | None:
+    """How a model's projection with this `[in, out]` weight runs: `"f32"` (the C GEMM),
+    `"onednn"`, or None (`linear_ref` on the dense weight)."""
+    if (
+        weight_t.device.type == "cpu"
+        and weight_t.dtype == torch.float32
+        and weight_t.dim() == 2
+        and gemm_f32.available()
+    ):
+        return "f32"
+    return "onednn" if uses_onednn(weight_t) else None
 
 
 def pack_linear_weight(weight_t: torch.Tensor) -> torch.Tensor | None:

@@ -78,7 +78,10 @@ def test_fp8_model_computes_with_exactly_the_dequantized_weights(tiny: Path) -> 
     assert isinstance(layer.mlp.down_proj, Fp8Linear)
     assert layer.mlp.down_proj.weight_t.dtype == FP8_DTYPE
     assert layer.input_layernorm.weight.dtype == torch.float32  # norms stay full precision
-    assert fp8.model.lm_head.weight_t.dtype == torch.float32  # and the LM head
+    lm_head = fp8.model.lm_head  # and the LM head (dense or packed)
+    assert (lm_head.weight_t if lm_head.weight_t is not None else lm_head.weight_packed).dtype == (
+        torch.float32
+    )
     ids = fp8.tokenize(PROMPTS[0])
     from bench.offline.accuracy import teacher_forced_logits
 

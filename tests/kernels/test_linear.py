@@ -1,11 +1,20 @@
-"""The oneDNN-packed projection equals its torch reference; the model's Linear packs once."""
+"""The oneDNN-packed projection equals its torch reference; the model's Linear packs once,
+in the layout `packing` picks (the float32 C GEMM's or oneDNN's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kernels.linear import can_pack, linear, linear_ref, pack_linear_weight, uses_onednn
+from engine.kernels import gemm_f32
+from engine.kernels.linear import (
+    can_pack,
+    linear,
+    linear_ref,
+    pack_linear_weight,
+    packing,
+    uses_onednn,
+)
 from engine.model import Linear
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -69,15 +78,28 @@ def test_which_projections_run_packed() -> None:
     assert uses_onednn(torch.empty(4, 4, dtype=torch.bfloat16)) == packable(torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+def test_float32_takes_the_c_gemm_where_it_runs() -> None:
+    weight_t = torch.empty(4, 4)
+    expected = "f32" if gemm_f32.available() else ("onednn" if uses_onednn(weight_t) else None)
+    assert packing(weight_t) == expected
+    assert packing(torch.empty(4, 4, dtype=torch.float16)) is None
+
+
+KINDS = [(torch.float32, "f32"), (torch.float32, "onednn"), (torch.bfloat16, "onednn")]
+
+
+@pytest.mark.parametrize(("dtype", "kind"), KINDS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_module_packs_in_place_of_its_weight(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, bias: bool
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, kind: str, bias: bool
 ) -> None:
-    """`Linear.pack` keeps the output and the parameter bytes; the dense copy is gone."""
-    if not packable(dtype):
+    """`Linear.pack` keeps the output and the parameter bytes (the C GEMM's layout pads the
+    last column block); the dense copy is gone."""
+    if kind == "onednn" and not packable(dtype):
         pytest.skip(f"oneDNN cannot run {dtype} on this CPU")
-    monkeypatch.setattr("engine.model.uses_onednn", lambda weight_t: True)  # float32 on Intel
+    if kind == "f32" and not gemm_f32.available():
+        pytest.skip("the float32 C GEMM needs AVX-512 and a C compiler")
+    monkeypatch.setattr("engine.model.packing", lambda weight_t: kind)
     torch.manual_seed(1)
     layer = Linear(48, 80, bias).to(dtype)
     with torch.no_grad():
@@ -88,7 +110,9 @@ def test_module_packs_in_place_of_its_weight(
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     layer.pack()
     assert layer.weight_t is None and layer.weight_packed is not None
-    assert sum(p.numel() * p.element_size() for p in layer.parameters()) == param_bytes
+    assert layer.packing == kind
+    padding = 48 * (96 - 80) * 4 if kind == "f32" else 0  # 80 columns in 2 blocks of 48
+    assert sum(p.numel() * p.element_size() for p in layer.parameters()) == param_bytes + padding
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(layer(x), before, atol=atol, rtol=rtol)
     layer.pack()  # a second call is a no-op

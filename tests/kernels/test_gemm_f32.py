@@ -1,0 +1,84 @@
+"""The float32 C GEMM: MKL's sums bit for bit where MKL runs torch's matmul on an Intel CPU
+(the shapes of the `small` model's projections, 16 rows and more), close to them anywhere
+else (row tails, column tails, odd `K`), and clear errors for inputs it does not take."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import gemm_f32
+
+pytestmark = pytest.mark.skipif(
+    not gemm_f32.available(), reason="the float32 C GEMM needs AVX-512 and a C compiler"
+)
+
+
+def _mkl_on_intel() -> bool:
+    try:
+        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return intel and torch.backends.mkl.is_available()
+
+
+def _operands(rows: int, k: int, n: int, bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    weight_t = torch.randn(k, n, generator=gen) * 0.05
+    b = torch.randn(n, generator=gen) if bias else None
+    return x, weight_t, b
+
+
+@pytest.mark.skipif(not _mkl_on_intel(), reason="MKL's order is the one of Intel CPUs")
+@pytest.mark.parametrize("rows", [16, 256])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(576, 960), (576, 576), (576, 3072), (1536, 576), (64, 96)])
+def test_bit_for_bit_with_mkl(rows: int, bias: bool, shape: tuple[int, int]) -> None:
+    """Token-exact float32 greedy output rests on this: F.linear is what `transformers` runs."""
+    torch.set_num_threads(2)  # MKL's order depends on how it splits work between threads
+    k, n = shape
+    x, weight_t, b = _operands(rows, k, n, bias, seed=rows + k)
+    expected = F.linear(x, weight_t.t().contiguous(), b)
+    out = gemm_f32.gemm(x, gemm_f32.pack(weight_t), n, b)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 200, 385])
+@pytest.mark.parametrize("shape", [(100, 17), (777, 33), (64, 200), (2048, 50), (40, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_close_to_torch_on_every_tail(rows: int, shape: tuple[int, int], bias: bool) -> None:
+    k, n = shape
+    x, weight_t, b = _operands(rows, k, n, bias, seed=rows * n)
+    expected = x @ weight_t if b is None else torch.addmm(b, x, weight_t)
+    out = gemm_f32.gemm(x, gemm_f32.pack(weight_t), n, b)
+    assert out.shape == (rows, n)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_pack_layout_and_strided_input() -> None:
+    weight_t = torch.arange(5 * 50, dtype=torch.float32).view(5, 50)
+    packed = gemm_f32.pack(weight_t)
+    assert packed.numel() == 2 * 5 * gemm_f32.BLOCK_COLS  # 50 columns: two blocks of 48
+    blocks = packed.view(2, 5, gemm_f32.BLOCK_COLS)
+    assert torch.equal(blocks[0], weight_t[:, :48])
+    assert torch.equal(blocks[1, :, :2], weight_t[:, 48:]) and not blocks[1, :, 2:].any()
+    wide = torch.randn(7, 9)
+    x = wide[:, :5]  # rows of a wider tensor: taken as they are
+    torch.testing.assert_close(gemm_f32.gemm(x, packed, 50, None), x @ weight_t)
+    assert gemm_f32.gemm(torch.empty(0, 5), packed, 50, None).shape == (0, 50)
+
+
+def test_rejects_what_it_cannot_run() -> None:
+    packed = gemm_f32.pack(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="does not match"):
+        gemm_f32.gemm(torch.randn(3, 63), packed, 32, None)
+    with pytest.raises(TypeError, match="float32"):
+        gemm_f32.gemm(torch.randn(3, 64, dtype=torch.float64), packed, 32, None)
+    with pytest.raises(ValueError, match="bias"):
+        gemm_f32.gemm(torch.randn(3, 64), packed, 32, torch.randn(31))
+    with pytest.raises(TypeError, match="float32"):
+        gemm_f32.pack(torch.randn(4, 4, dtype=torch.bfloat16))
