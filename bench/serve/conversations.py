@@ -7,10 +7,13 @@ models; the first one opens with the conversation's number, so no two conversati
 first block) and the think time before each later turn (exponential, mean `think_s`).
 `pdserve bench multiturn` sends those turns closed-loop, the real previous answer in each
 prompt. `schedule_conversations` is the open-loop form for `bench compare --workload
-multiturn`: turns at fixed offsets (a conversation every `num_turns / rate` seconds on
-average, each later turn a think time after the one before), and in place of each previous
-answer a random text of the answer's length, so the history up to the previous prompt is a
-prefix of the next turn's prompt, though the answer tokens are not the ones generated.
+multiturn`, where the rate sets the pace: n conversations start as a Poisson process at
+`rate` and each sends its next turn `n / rate` seconds after the previous one, so every
+conversation has one turn per window of `n / rate` seconds and turns arrive at `rate` from
+the first turn to the last (think times drawn independently of the rate would make a short
+run's load depend on them, not on the rate). In place of each previous answer a turn holds
+a random text of the answer's length: the history up to the previous prompt is a prefix of
+the next turn's prompt, though the answer tokens are not the ones generated.
 """
 
 from __future__ import annotations
@@ -88,14 +91,14 @@ def schedule_conversations(
     shape: ConversationShape, rate: float, num_requests: int, seed: int, special_tokens: int = 1
 ) -> list[ScheduledRequest]:
     """The open-loop form (module docstring): `num_requests` turns at about `rate` turns per
-    second, the earliest first. Conversations start as a Poisson process at
-    `rate / num_turns`; turn t+1 is sent a think time after turn t."""
+    second, the earliest first (`shape.think_s` is not used: the rate sets the pace)."""
     if rate <= 0 or not math.isfinite(rate):
         raise ValueError(f"rate must be a positive finite number, got {rate}")
     num_conversations = math.ceil(num_requests / shape.num_turns)
     rng = np.random.default_rng([seed, 1 << 20])
-    starts = np.cumsum(rng.exponential(shape.num_turns / rate, size=num_conversations))
+    starts = np.cumsum(rng.exponential(1 / rate, size=num_conversations))
     starts -= starts[0]
+    gap_s = num_conversations / rate
     turns: list[tuple[float, RequestSpec]] = []
     for conversation, start in zip(
         plan_conversations(num_conversations, shape, seed, stagger_s=0.0), starts, strict=True
@@ -104,7 +107,7 @@ def schedule_conversations(
         at, history = float(start), ""
         for t, message in enumerate(conversation.messages):
             if t:
-                at += conversation.think_s[t - 1]
+                at += gap_s
                 history += make_prompt(shape.output_len, answers, 0)
             history += message
             label = LATER if t else FIRST
@@ -115,21 +118,24 @@ def schedule_conversations(
     return [ScheduledRequest(i, at, spec) for i, (at, spec) in enumerate(turns[:num_requests])]
 
 
-def add_conversation_args(parser: argparse.ArgumentParser, think_s: float) -> None:
-    """The conversation shape's options (`ConversationShape`; `think_s`: the default)."""
+def add_conversation_args(parser: argparse.ArgumentParser, think_s: float | None) -> None:
+    """The conversation shape's options (`ConversationShape`; `think_s`: the default, None:
+    no think time, the open-loop form's pace comes from the rate)."""
     d = ConversationShape()
     g = parser.add_argument_group("conversations (multiturn)")
     g.add_argument("--turns", type=int, default=d.num_turns, help="turns per conversation")
     g.add_argument("--first-len", type=int, default=d.first_len, help="first message tokens")
     g.add_argument("--user-len", type=int, default=d.user_len, help="later message tokens")
     g.add_argument("--turn-output-len", type=int, default=d.output_len, help="max_tokens/turn")
-    g.add_argument("--think-s", type=float, default=think_s, help="mean think time (s)")
+    if think_s is not None:
+        g.add_argument("--think-s", type=float, default=think_s, help="mean think time (s)")
 
 
 def conversation_shape(args: argparse.Namespace) -> ConversationShape:
     """The shape `add_conversation_args`' options describe."""
+    think_s = getattr(args, "think_s", 0.0)
     return ConversationShape(
-        args.turns, args.first_len, args.user_len, args.turn_output_len, args.think_s
+        args.turns, args.first_len, args.user_len, args.turn_output_len, think_s
     )
 
 

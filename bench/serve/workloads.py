@@ -301,7 +301,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--special-tokens", type=int, default=1, help="tokens the server adds (BOS)")
     from bench.serve.conversations import add_conversation_args  # it imports this module
 
-    add_conversation_args(parser, think_s=4.0)  # open loop: a turn rarely waits for the last
+    add_conversation_args(parser, think_s=None)  # open loop: the rate sets the pace
     a = parser.add_argument_group("arrivals")
     a.add_argument("--arrival", choices=ARRIVAL_PROCESSES, default="poisson")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")

@@ -57,6 +57,8 @@ def test_the_open_loop_schedule_extends_each_conversation() -> None:
         assert r.spec.input_len == len(r.spec.prompt) + 1
         assert r.spec.max_tokens == 5
     assert len(by_conversation) == 5
+    # The rate sets the pace: 20 turns at 4 per second take about 5 s, whatever think_s says.
+    assert 4.0 <= requests[-1].arrival_s <= 6.0
     for prompts in by_conversation.values():
         for before, after in zip(prompts, prompts[1:], strict=False):
             assert after.startswith(before)
