@@ -13,12 +13,13 @@ Two sources, both bounded:
   `sent_ttl_s`, after which the digest alone speaks; at most `max_sent` of them, oldest
   dropped first.
 
-Pure Python with an injected clock; one instance per replica router (per pool and process),
-used from Serve's router thread only.
+Pure Python with an injected clock; one instance per replica router (per pool and process).
+Thread-safe: Serve may push replica updates from another thread than the one choosing.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -54,6 +55,7 @@ class PrefixIndex:
         self._max_age_s, self._sent_ttl_s, self._max_sent = max_age_s, sent_ttl_s, max_sent
         self._max_digest_bytes = max_digest_keys * KEY_BYTES
         self._clock = clock
+        self._lock = threading.Lock()
         self._digests: dict[str, _Digest] = {}
         self._sent: OrderedDict[tuple[str, int], float] = OrderedDict()  # -> expiry
         self.block_size: int | None = None  # as the replicas report it
@@ -68,13 +70,20 @@ class PrefixIndex:
             self.block_size = size
         blob = blob[: self._max_digest_bytes]
         now = self._clock()
-        previous = self._digests.get(replica)
+        with self._lock:
+            previous = self._digests.get(replica)
         keys = previous.keys if previous is not None and previous.blob == blob else None
-        self._digests[replica] = _Digest(blob, keys or decode_digest(blob), now)
+        digest = _Digest(blob, keys if keys is not None else decode_digest(blob), now)
+        with self._lock:
+            self._digests[replica] = digest
 
     def retain(self, replicas: Iterable[str]) -> None:
         """The pool's replicas now: forget every other one's digest and sends."""
         keep = set(replicas)
+        with self._lock:
+            self._retain(keep)
+
+    def _retain(self, keep: set[str]) -> None:
         for name in [n for n in self._digests if n not in keep]:
             del self._digests[name]
         for entry in [e for e in self._sent if e[0] not in keep]:
@@ -84,28 +93,32 @@ class PrefixIndex:
         """A call with these prompt block keys was sent to `replica`: they count as cached
         there for `sent_ttl_s`."""
         expiry = self._clock() + self._sent_ttl_s
-        for key in keys:
-            self._sent[(replica, key)] = expiry
-            self._sent.move_to_end((replica, key))
-        while len(self._sent) > self._max_sent:
-            self._sent.popitem(last=False)
+        with self._lock:
+            for key in keys:
+                self._sent[(replica, key)] = expiry
+                self._sent.move_to_end((replica, key))
+            while len(self._sent) > self._max_sent:
+                self._sent.popitem(last=False)
 
     def matched(self, replica: str, keys: Sequence[int]) -> int:
         """Blocks of the longest prefix of `keys` cached on `replica`, as far as it knows."""
         if not keys:
             return 0
         now = self._clock()
-        self._expire(now)
-        digest = self._digests.get(replica)
-        held = digest.keys if digest is not None and now - digest.seen_at <= self._max_age_s else ()
-        sent = self._sent
-        return matched_blocks(keys, lambda key: key in held or (replica, key) in sent)
+        with self._lock:
+            self._expire(now)
+            digest = self._digests.get(replica)
+            fresh = digest is not None and now - digest.seen_at <= self._max_age_s
+            held = digest.keys if digest is not None and fresh else frozenset()
+            sent = self._sent
+            return matched_blocks(keys, lambda key: key in held or (replica, key) in sent)
 
     @property
     def num_keys(self) -> int:
         """Keys held in all (digests and sends): bounded by the replicas' digest size and
         `max_sent`."""
-        return sum(len(d.keys) for d in self._digests.values()) + len(self._sent)
+        with self._lock:
+            return sum(len(d.keys) for d in self._digests.values()) + len(self._sent)
 
     def _expire(self, now: float) -> None:
         while self._sent and next(iter(self._sent.values())) <= now:
