@@ -163,10 +163,11 @@ class PrefillServer:
         )
 
     def _count_tokens(self, num_prompt: int, num_cached: int, ticket: Ticket) -> None:
-        """Per-prompt token counters: of its prompt tokens, those this replica's prefix
-        cache held (`cached_tokens`) or it computed (`computed_tokens`), those whose KV it
-        sent (`transferred_tokens`) and those a transfer of the whole prompt would have
-        sent (`full_transfer_tokens`: the decode replica held the rest already)."""
+        """Per-prompt token counters (whole requests count the first two as well): of its
+        prompt tokens, those this replica's prefix cache held (`cached_tokens`) or it
+        computed (`computed_tokens`), those whose KV it sent (`transferred_tokens`) and
+        those a transfer of the whole prompt would have sent (`full_transfer_tokens`: the
+        decode replica held the rest already)."""
         skipped = ticket.num_cached_blocks * self.engine.kv_spec.block_size
         counters = self.replica.counters
         counters["prompt_tokens"] += num_prompt
@@ -202,8 +203,15 @@ class PrefillServer:
     ) -> AsyncGenerator[RequestOutput, None]:
         request = self.replica.make_request(spec)
         timeline.local_request = request
-        self.replica.counters["whole_requests"] += 1
+        counters = self.replica.counters
+        counters["whole_requests"] += 1
+        counted = False
         async for delta in self.replica.generate_whole(request):
+            if not counted and delta.new_token_ids:  # the prompt is in the cache
+                counted = True
+                counters["prompt_tokens"] += delta.num_prompt_tokens
+                counters["cached_tokens"] += delta.num_cached_tokens
+                counters["computed_tokens"] += delta.num_prompt_tokens - delta.num_cached_tokens
             yield delta
 
     def _layer_hook_for(self, output: SchedulerOutput):  # noqa: ANN202 - LayerHook | None

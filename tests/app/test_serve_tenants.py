@@ -77,9 +77,10 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def prompt_of(num_tokens: int) -> str:
-    """A prompt that tokenizes to exactly `num_tokens` tokens (BOS included)."""
-    return _TEXT[: num_tokens - 1]
+def prompt_of(num_tokens: int, offset: int = 0) -> str:
+    """A prompt that tokenizes to exactly `num_tokens` tokens (BOS included); prompts of
+    different offsets (below 95) share no prefix."""
+    return _TEXT[offset : offset + num_tokens - 1]
 
 
 class Snapshot:
@@ -125,7 +126,9 @@ ROUTES = [  # (prompt tokens, prefill pool or "local")
 
 @pytest.mark.parametrize(("num_tokens", "pool"), ROUTES)
 def test_routes_by_prompt_length(server: Server, hf: HFGreedy, num_tokens: int, pool: str) -> None:
-    prompt = prompt_of(num_tokens)
+    # No prefix of another route's prompt: a decode replica holding one prefills a short
+    # rest itself, whatever the route.
+    prompt = prompt_of(num_tokens, offset=1 + ROUTES.index((num_tokens, pool)))
     ref = hf.complete(prompt, MAX_TOKENS)
     assert len(ref.prompt_ids) == num_tokens
     before = Snapshot(server)
@@ -156,7 +159,9 @@ def test_routes_by_prompt_length(server: Server, hf: HFGreedy, num_tokens: int, 
     assert decision["reason"] == route
 
     if pool == "local":
-        assert counters["decode"] == {"local_prefill": 1}
+        assert counters["decode"]["local_prefill"] == 1
+        assert counters["decode"]["prompt_tokens"] == num_tokens  # prefilled there
+        assert "remote_prefill" not in counters["decode"]
         assert counters["short"] == counters["long"] == {}
     else:
         assert counters["decode"]["remote_prefill"] == 1
