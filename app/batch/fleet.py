@@ -26,7 +26,8 @@ def batch_service(
     """The batch API of an ingress replica running lines through `frontend`; `pools`: every
     pool's handle (their routing stats show what is queued)."""
     executor = line_executor(frontend, config.batch)
-    frontend.overload.monitor.watch(pools)
+    if executor.slo_class is not None:  # pacing reads the pools' queues by priority
+        frontend.overload.monitor.watch(pools)
     return BatchService(
         config.batch,
         executor,

@@ -3,8 +3,9 @@ throughput, then beside interactive load against that load alone.
 
 1. **Offline**: the job's requests (`--requests` greedy completions of `--prompt-tokens`
    random tokens, `--max-tokens` generated each, EOS ignored) handed to one `Engine` in this
-   process at once, with the config's decode pool's engine settings and `--num-cpus` torch
-   threads (the cores the app gets): `offline_tok_s`, generated tokens/s.
+   process at once, with the config's decode pool's engine settings, once with 1 torch
+   thread and once with `--num-cpus` (the cores the app gets): `offline_tok_s`, generated
+   tokens/s, is the better of the two.
 2. The config is deployed on a private Ray instance with `--num-cpus` CPUs, plus a tenant of
    its own for the job (default class: the config's `batch` class, no limits of its own);
    interactive requests are sent by the config's first tenant whose default class is
@@ -150,10 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args)
     shape = JobShape(options.requests, options.prompt_tokens, options.max_tokens, options.seed)
     decode = config.pools_by_role("decode")[0]
-    engine_config = with_threads(config.engine_config(decode), options.num_cpus)
-    print(f"offline: {shape.num_requests} requests on the engine", file=sys.stderr)
-    offline = offline_tok_s(engine_config, shape)
-    print(f"offline: {offline['tok_s']:.1f} generated tok/s", file=sys.stderr)
+    runs = []
+    for threads in sorted({1, options.num_cpus}):
+        print(f"offline: {shape.num_requests} requests, {threads} thread(s)", file=sys.stderr)
+        runs.append(offline_tok_s(with_threads(config.engine_config(decode), threads), shape))
+        print(f"offline: {runs[-1]['tok_s']:.1f} generated tok/s", file=sys.stderr)
+    offline = {**max(runs, key=lambda run: run["tok_s"]), "runs": runs}
 
     document: dict[str, Any] = {
         "config": options.config,
