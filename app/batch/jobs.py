@@ -151,8 +151,11 @@ class JobStore:
 
     def active_ids(self) -> list[str]:
         """Jobs not finished yet, oldest first."""
-        paths = sorted(self.active_dir.iterdir(), key=lambda p: (p.stat().st_mtime, p.name))
-        return [p.name for p in paths if p.name.startswith("batch_")]
+        marked = []
+        for path in self.active_dir.iterdir():
+            with contextlib.suppress(FileNotFoundError):  # finished meanwhile
+                marked.append((path.stat().st_mtime, path.name))
+        return [name for _, name in sorted(marked) if name.startswith("batch_")]
 
     def claim(self, batch_id: str, owner: str, ttl_s: float) -> bool:
         """Take or renew the job's lease for `ttl_s`: True when `owner` holds it now (it was

@@ -190,15 +190,16 @@ class JobRunner:
                 if not held:
                     self._stop("lost")
                     return
-            record = await asyncio.to_thread(self.jobs.update, self.batch_id, self._progress)
+            progress = partial(self._progress, self._counts(self.total))  # counted on the loop
+            record = await asyncio.to_thread(self.jobs.update, self.batch_id, progress)
             if record["status"] == "cancelling":
                 self._stop("cancelled")
             elif time.time() > record["expires_at"]:
                 self._stop("expired")
 
-    def _progress(self, record: dict[str, Any]) -> None:
+    def _progress(self, counts: dict[str, int], record: dict[str, Any]) -> None:
         now = time.monotonic()
-        record["request_counts"] = self._counts(self.total)
+        record["request_counts"] = counts
         record["pdserve"]["active_s"] += now - self._last_tend
         self._last_tend = now
 
@@ -238,12 +239,13 @@ class JobRunner:
                     f"file-{base}-errors",
                 )
             )["id"]
+        counts = self._counts(self.total)
         ok = [r for r in records if is_success(r)]
         num_in = sum(int(r["num_prompt_tokens"]) for r in ok)
         num_out = sum(int(r["num_output_tokens"]) for r in ok)
 
         def change(record: dict[str, Any]) -> None:
-            self._progress(record)
+            self._progress(counts, record)
             record["status"] = status
             record[f"{status}_at"] = int(time.time())
             record["output_file_id"] = output_id
