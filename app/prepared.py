@@ -30,6 +30,9 @@ class PreparedRequest(RequestSpec):
     route: RouteDecision  # its priority is the service class's
     service_class: ServiceClass = ServiceClass("default", 0)
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
+    # Above 0: the decode pool sends its deltas merged, one per this many seconds at most
+    # (a caller that reads only the whole answer: a batch line).
+    delta_interval_s: float = 0.0
     # Set when the fallback pool serves it (`app/routing/fallback.py`); shared by copies.
     served: Served = dataclasses.field(default_factory=Served)
 

@@ -28,6 +28,9 @@ class GenerationSpec(RequestSpec):
     # Seconds left of the request's deadline when the ingress sent it (None: no deadline);
     # bounds the remote-prefill attempts (a duration, not a wall-clock instant).
     timeout_s: float | None = None
+    # Above 0: send this stream's deltas merged, at most one per this many seconds (a caller
+    # that reads only the whole answer: `replica/delta_batching.py`).
+    delta_interval_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

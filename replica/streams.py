@@ -6,7 +6,8 @@ replica (`decode/server.py`) and a prefill replica of a pool with `serves_decode
 first holds one of the replica's `max_num_seqs` slots (`replica/slot_gate.py`: waiters
 admitted by priority, within the request's deadline), then its deltas flow through its
 `GenerationTrace` (spans, TTFT breakdown); the gaps between tokens feed the replica's ITL
-signal. Event loop only.
+signal; a spec with `delta_interval_s` gets them merged (`replica/delta_batching.py`).
+Event loop only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
+from replica.delta_batching import batched
 from replica.generation_trace import GenerationTrace
 from replica.protocol import GenerationSpec
 from replica.signals import RecentSamples
@@ -53,16 +55,26 @@ class Streams:
                 self.admission.slot(spec.priority, wait_s),
                 contextlib.aclosing(run(spec, timeline)) as deltas,
             ):
-                async for delta in deltas:
-                    delta = timeline.on_delta(delta)
-                    finish_reason = delta.finish_reason or finish_reason
-                    if delta.new_token_ids:
-                        now = time.perf_counter()
-                        if last_token_at is not None:
-                            per_token = (now - last_token_at) * 1000 / len(delta.new_token_ids)
-                            self.itl_ms.add(per_token)
-                        last_token_at = now
-                    yield delta
+
+                async def observed() -> AsyncGenerator[RequestOutput, None]:
+                    nonlocal finish_reason, last_token_at
+                    async for delta in deltas:
+                        delta = timeline.on_delta(delta)
+                        finish_reason = delta.finish_reason or finish_reason
+                        if delta.new_token_ids:
+                            now = time.perf_counter()
+                            if last_token_at is not None:
+                                gap_ms = (now - last_token_at) * 1000
+                                self.itl_ms.add(gap_ms / len(delta.new_token_ids))
+                            last_token_at = now
+                        yield delta
+
+                out = observed()
+                if spec.delta_interval_s > 0:
+                    out = batched(out, spec.delta_interval_s)
+                async with contextlib.aclosing(out):
+                    async for delta in out:
+                        yield delta
         except BaseException as exc:
             error = exc
             raise

@@ -8,6 +8,7 @@ included) the route would send. Any error becomes its status code and OpenAI err
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +44,15 @@ class LineOutcome:
 class LineExecutor:
     """Runs lines of `endpoint` bodies for a tenant through `frontend`."""
 
-    def __init__(self, frontend: Frontend, slo_class: str | None) -> None:
+    def __init__(
+        self, frontend: Frontend, slo_class: str | None, delta_interval_s: float = 0.0
+    ) -> None:
         """`slo_class`: the class lines ask for (the batch class), None for the tenant's
-        default; a tenant whose default is less important than it keeps its default."""
+        default; a tenant whose default is less important than it keeps its default.
+        `delta_interval_s`: how often the decode pool sends a line's tokens (merged)."""
         self.frontend = frontend
         self.slo_class = slo_class
+        self.delta_interval_s = delta_interval_s
         self.token_strings = TokenStrings(frontend.tokenizer)
         self._classes: dict[str, str | None] = {}
 
@@ -91,6 +96,7 @@ class LineExecutor:
         if request.stream:
             raise BadRequestError("a batch line cannot stream", param="stream")
         prepared = await self.frontend.admit(tenant, entry)
+        prepared = dataclasses.replace(prepared, delta_interval_s=self.delta_interval_s)
         builder = builder_class(
             self.frontend.model_name,
             n=request.n,

@@ -228,4 +228,6 @@ def page(items: list[dict[str, Any]], after: str | None, limit: int | None) -> d
 def line_executor(frontend: Any, settings: BatchSettings) -> LineExecutor:
     """Lines through `frontend` in the configured batch class, if it is configured."""
     configured = frontend.config.admission.slo_class(settings.slo_class or "") is not None
-    return LineExecutor(frontend, settings.slo_class if configured else None)
+    return LineExecutor(
+        frontend, settings.slo_class if configured else None, settings.delta_interval_s
+    )

@@ -57,6 +57,14 @@ class BatchSettings(_Strict):
         "grow past busy_concurrency again (so a gap between interactive requests does not "
         "fill the decode slots they are about to need).",
     )
+    delta_interval_s: float = Field(
+        default=0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="A line's tokens come back from the decode pool merged, at most one "
+        "message per this many seconds (a line needs only the whole answer; a message per "
+        "token costs every process on the way); 0: one per engine step, as online.",
+    )
     pace_period_s: float = Field(
         default=0.25, gt=0, allow_inf_nan=False, description="How often the pace is adjusted."
     )
