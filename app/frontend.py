@@ -126,6 +126,9 @@ class Frontend:
             name: h.options(stream=True) for name, h in {**decode_handles, **serving}.items()
         }
         self.in_flight: Counter[str] = Counter()
+        # Requests that reached placement, by priority (shed ones too): batch jobs back off
+        # when more important ones arrive (`app/batch/pacing.py`).
+        self.arrivals_by_priority: Counter[int] = Counter()
         self.routing = RoutingLog()
         goodput = config.observability.metrics
         self.metrics = RequestMetrics(SLOTargets(goodput.goodput_ttft_s, goodput.goodput_tpot_s))
@@ -228,6 +231,7 @@ class Frontend:
         `prompt_param` names the prompt's field in errors about it."""
         started_ns = time.time_ns()
         service_class = self.classes.resolve(tenant, slo_class)
+        self.arrivals_by_priority[service_class.priority] += 1
         route = self.placement.place(
             len(prompt_token_ids),
             tenant,

@@ -31,7 +31,7 @@ def batch_service(
     return BatchService(
         config.batch,
         executor,
-        lambda: observe_load(frontend, executor, list(pools)),
+        LoadObserver(frontend, executor, list(pools)),
         lambda active_s, num_in, num_out: unit_cost(frontend, active_s, num_in, num_out),
         {
             tenant.name: tenant.max_concurrent_requests
@@ -41,22 +41,35 @@ def batch_service(
     )
 
 
-def observe_load(frontend: Frontend, executor: LineExecutor, pools: list[str]) -> Load:
-    """More important requests running through this replica, and whether any pool holds
-    more important work waiting. With no batch class configured nothing is more important."""
-    now = time.monotonic()
-    if executor.slo_class is None:
-        return Load(0, False, now)
-    slo = frontend.config.admission.slo_class(executor.slo_class)
-    assert slo is not None  # line_executor keeps only a configured class
-    running = frontend.runner.in_flight_by_priority
-    num_running = sum(n for p, n in running.items() if p < slo.priority)
-    stats: list[Mapping[str, Any]] = []
-    for pool in pools:
-        snapshot = frontend.overload.monitor.snapshot(pool)
-        if snapshot is not None:
-            stats.extend(snapshot.replicas.values())
-    return Load(num_running, queued_ahead(stats, slo.priority), now)
+class LoadObserver:
+    """More important requests running through this replica or arrived since the last
+    look (shed ones included: a request shed because the job fills the pools must still
+    make it back off), and whether any pool holds more important work waiting. With no
+    batch class configured nothing is more important."""
+
+    def __init__(self, frontend: Frontend, executor: LineExecutor, pools: list[str]) -> None:
+        self.frontend = frontend
+        self.executor = executor
+        self.pools = pools
+        self._seen = 0  # more important arrivals counted so far
+
+    def __call__(self) -> Load:
+        now = time.monotonic()
+        if self.executor.slo_class is None:
+            return Load(0, False, now)
+        slo = self.frontend.config.admission.slo_class(self.executor.slo_class)
+        assert slo is not None  # line_executor keeps only a configured class
+        running = self.frontend.runner.in_flight_by_priority
+        num_running = sum(n for p, n in running.items() if p < slo.priority)
+        arrived = self.frontend.arrivals_by_priority
+        num_arrived = sum(n for p, n in arrived.items() if p < slo.priority)
+        num_new, self._seen = num_arrived - self._seen, num_arrived
+        stats: list[Mapping[str, Any]] = []
+        for pool in self.pools:
+            snapshot = self.frontend.overload.monitor.snapshot(pool)
+            if snapshot is not None:
+                stats.extend(snapshot.replicas.values())
+        return Load(num_running + num_new, queued_ahead(stats, slo.priority), now)
 
 
 def unit_cost(frontend: Frontend, active_s: float, num_in: int, num_out: int) -> dict[str, str]:

@@ -12,13 +12,18 @@ limit every `pace_period_s` from what it observes:
   pending at a prefill replica, from the routing stats every ingress already reads), or a
   line refused for load (429/503/504): the limit halves, down to `min_concurrency`.
 
-Lines in flight are never stopped by a smaller limit: new lines wait until enough finish.
-The policy is pure (no Ray, no clock of its own); `Window` is the event loop's.
+When more important requests arrive while more lines are in flight than the new limit, the
+lines started last are stopped and queued again (`JobRunner.preempt`): a long line must not
+hold a decode slot an interactive request needs. Their work so far is lost, never their
+result (a line counts only once it has finished). The policy is pure (no Ray, no clock of
+its own); `Window` is the event loop's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -82,24 +87,38 @@ def queued_ahead(snapshots: Iterable[Mapping[str, Any]], priority: int) -> bool:
 
 
 class Window:
-    """Slots for lines in flight, at most `limit` taken (event loop only)."""
+    """Slots for lines in flight, at most `limit` taken (event loop only). `release` and
+    `set_limit` do not wait, so a line being cancelled always gives its slot back."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.num_taken = 0
-        self._changed = asyncio.Condition()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.num_taken < self.limit)
-            self.num_taken += 1
+        while self.num_taken >= self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+        self.num_taken += 1
 
-    async def release(self) -> None:
-        async with self._changed:
-            self.num_taken -= 1
-            self._changed.notify_all()
+    def release(self) -> None:
+        self.num_taken -= 1
+        self._wake()
 
-    async def set_limit(self, limit: int) -> None:
-        async with self._changed:
-            self.limit = limit
-            self._changed.notify_all()
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        free = self.limit - self.num_taken
+        for waiter in list(self._waiters):
+            if free <= 0:
+                break
+            if not waiter.done():
+                waiter.set_result(None)
+                free -= 1

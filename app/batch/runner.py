@@ -4,6 +4,8 @@
       ──▶ each line without a result: a window slot ──▶ the front door ──▶ its result appended
           (refused for load: wait, try again)             (`request_counts` follow)
       ──▶ finalizing: output and error files from the results ──▶ completed
+    preempted (more important work needs the slots): the lines started last are stopped
+    and queued again;
     cancelling (seen at the next tend): stop every line in flight ──▶ cancelled, finished
     lines kept; the lease lost (this replica stalled past its ttl): stop, write nothing more.
 
@@ -15,6 +17,7 @@ already recorded, so every line is run to a result once and appears once in the 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -68,7 +71,8 @@ class JobRunner:
         self.unit_cost = unit_cost
         self.log: ResultLog = jobs.results(batch_id)
         self.records: dict[int, dict[str, Any]] = {}
-        self.in_flight: set[asyncio.Task[None]] = set()
+        self.in_flight: dict[asyncio.Task[None], InputLine] = {}  # in start order
+        self.requeued: collections.deque[InputLine] = collections.deque()  # preempted
         self.stopping: str | None = None  # "cancelled" | "lost" | "expired"
         self.total = 0
         self.own_slots = asyncio.Semaphore(max_lines_in_flight or 1_000_000)
@@ -121,20 +125,40 @@ class JobRunner:
         await asyncio.to_thread(self.jobs.update, self.batch_id, change)
 
     async def _run_lines(self, tenant: str, endpoint: str, lines: list[InputLine]) -> None:
-        for line in lines:
-            if line.index in self.records:
+        pending = collections.deque(line for line in lines if line.index not in self.records)
+        while not self.stopping:
+            if not pending and not self.requeued:
+                if not self.in_flight:
+                    break
+                await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED)
                 continue
             await self.own_slots.acquire()
             await self.window.acquire()
             if self.stopping:
-                await self.window.release()
+                self.window.release()
                 self.own_slots.release()
                 break
+            line = self.requeued.popleft() if self.requeued else pending.popleft()
             task = asyncio.create_task(self._run_line(tenant, endpoint, line))
-            self.in_flight.add(task)
-            task.add_done_callback(self.in_flight.discard)
+            self.in_flight[task] = line
+            task.add_done_callback(self._ended)
         while self.in_flight:
             await asyncio.gather(*self.in_flight, return_exceptions=True)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self.in_flight.pop(task, None)
+
+    def preempt(self, num_lines: int) -> int:
+        """Stop up to `num_lines` of the lines started last (more important work needs
+        their slots); they run again later. Returns how many were stopped."""
+        if num_lines <= 0 or self.stopping:
+            return 0
+        victims = list(self.in_flight.items())[-num_lines:]
+        for task, line in reversed(victims):
+            self.in_flight.pop(task, None)
+            self.requeued.appendleft(line)
+            task.cancel()
+        return len(victims)
 
     async def _run_line(self, tenant: str, endpoint: str, line: InputLine) -> None:
         try:
@@ -143,7 +167,7 @@ class JobRunner:
                 outcome = await self.execute(tenant, endpoint, line.body)
                 if not outcome.retry or self.stopping:
                     break
-                await self.window.set_limit(self.pacer.refused())
+                self.window.set_limit(self.pacer.refused())
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
             if self.stopping:
@@ -162,7 +186,7 @@ class JobRunner:
         except Exception:  # noqa: BLE001 - a bug in one line must not stop the job
             logger.exception("batch %s: line %d failed", self.batch_id, line.index)
         finally:
-            await self.window.release()
+            self.window.release()
             self.own_slots.release()
 
     async def _record(self, record: dict[str, Any]) -> None:

@@ -70,6 +70,7 @@ class BatchService:
         self.pacer = Pacer(settings)
         self.window = Window(self.pacer.limit)
         self.running: dict[str, asyncio.Task[None]] = {}
+        self.runners: dict[str, JobRunner] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
 
@@ -122,17 +123,26 @@ class BatchService:
                 self.unit_cost,
                 self.tenant_limits.get(tenant),
             )
+            self.runners[batch_id] = runner
             await runner.run()
         except Exception:  # noqa: BLE001 - the lease runs out; a replica tries it again
             logger.exception("batch %s: runner failed", batch_id)
         finally:
             self.running.pop(batch_id, None)
+            self.runners.pop(batch_id, None)
 
     async def _pace(self) -> None:
         while True:
             await asyncio.sleep(self.settings.pace_period_s)
-            if self.running:
-                await self.window.set_limit(self.pacer.next_limit(self.observe_load()))
+            if not self.running:
+                continue
+            load = self.observe_load()
+            limit = self.pacer.next_limit(load)
+            self.window.set_limit(limit)
+            excess = self.window.num_taken - limit
+            if excess > 0 and (load.num_running or load.queued):
+                for runner in list(self.runners.values()):  # their newest lines make room
+                    excess -= runner.preempt(excess)
 
     async def close(self) -> None:
         """Stop the poller, the pacer and every job here (their leases run out)."""

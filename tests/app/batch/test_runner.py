@@ -231,3 +231,30 @@ def test_missing_input_file_fails_the_job(tmp_path: Path) -> None:
     batch = job.get()
     assert batch["status"] == "failed"
     assert batch["errors"]["data"][0]["param"] == "input_file_id"
+
+
+def test_preempted_lines_run_again_and_count_once(tmp_path: Path) -> None:
+    """More important work takes the slots of the lines started last: they stop, run again
+    later, and each line still has one result."""
+    job = Job(tmp_path, b"".join(line(f"c{i}", f"p{i}") for i in range(6)))
+    door = Door()
+    door.held = {f"p{i}" for i in range(6)}
+
+    async def scenario() -> int:
+        runner = job.runner(door)
+        task = asyncio.create_task(runner.run())
+        while len(runner.in_flight) < 4:  # the window: 4 lines started, all held
+            await asyncio.sleep(0.01)
+        stopped = runner.preempt(2)
+        door.hold.set()
+        await task
+        return stopped
+
+    assert asyncio.run(scenario()) == 2
+    batch = job.get()
+    assert batch["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert [o["custom_id"] for o in job.output(batch["output_file_id"])] == [
+        f"c{i}" for i in range(6)
+    ]
+    assert door.calls["p2"] == door.calls["p3"] == 2  # the two started last ran twice
+    assert door.calls["p0"] == door.calls["p1"] == 1
