@@ -133,6 +133,9 @@ def run_config(
 def human_summary(configs: dict[str, dict[str, Any]]) -> str:
     lines = ["config: later turns computed / transferred, TTFT p50 (ms), hit rate, wrong"]
     for name, r in configs.items():
+        if "error" in r:
+            lines.append(f"  {name}: not measured ({r['error']})")
+            continue
         lines.append(
             f"  {name}: {r['computed_fraction_later_turns']} / "
             f"{r['transferred_fraction_later_turns']}, {r['ttft_p50_ms_later_turns']}, "
@@ -178,7 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if model not in references:
             print(f"reference answers for {name}'s model (offline engine)", file=sys.stderr)
             references[model] = reference_turns(conversations, shape, config_args)
-        results[name] = run_config(name, args, references[model], config_args)
+        try:
+            results[name] = run_config(name, args, references[model], config_args)
+        except Exception as exc:  # noqa: BLE001 - one config's failure (Ray did not start) is its own entry
+            print(f"{name} failed: {exc!r}", file=sys.stderr)
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     document: dict[str, Any] = {
         "run": {
             "configs": names,
@@ -193,14 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = args.png or (args.json.with_suffix(".png") if args.json else None)
     if png is not None:
         png.parent.mkdir(parents=True, exist_ok=True)
-        plot_ttft(results, png)
+        plot_ttft({n: r for n, r in results.items() if "error" not in r}, png)
         document["plot"] = str(png)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=1) + "\n")
     print(human_summary(results), file=sys.stderr)
     print(json.dumps(document))
-    return 0
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":
