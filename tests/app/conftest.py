@@ -1,9 +1,12 @@
 """Fixtures of the end-to-end Serve tests (`test_serve_*.py`): a real Ray Serve app over HTTP.
 
 A test module that uses the `server` fixture defines `pdserve_args(model_dir) -> dict`, the
-application args (a `PDServeConfig` document). Ray starts once per such module, on its own
-local instance and a free HTTP port, and is shut down when the module ends. Every test of
-such a module is followed by a check that every pool's KV blocks are free again.
+application args (a `PDServeConfig` document). Its app is deployed when the module starts and
+deleted when it ends. The local Ray instance under it (2 CPUs, Serve on a free HTTP port) is
+kept for the next module only if that one deploys on `server` too: it is shut down before
+any other module runs (one that starts Ray itself, or none), and after a module whose app
+could not be deleted cleanly. Every test of such a module is followed by a check that every
+pool's KV blocks are free again.
 
 Reference outputs come from `transformers` on the same checkpoint (greedy, float32).
 """
@@ -168,29 +171,75 @@ def hf(model_dir: Path) -> HFGreedy:
     return HFGreedy(model_dir)
 
 
+_ray: dict[str, int] = {}  # {"port": Serve's HTTP port} while this module holds Ray
+
+
+def _serve_port() -> int:
+    """The HTTP port of the Serve instance the `server` modules share; started if need be."""
+    import ray
+
+    if "port" not in _ray:
+        # address="local": never attach to a cluster someone else started on this machine.
+        # Replica logs stay in the Ray session dir (not the test output); failures show there.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            _ray["port"] = start_serve()
+        except BaseException:
+            ray.shutdown()
+            raise
+    return _ray["port"]
+
+
+def _stop_ray() -> None:
+    import ray
+    from ray import serve
+
+    if _ray.pop("port", None) is None:
+        return
+    with contextlib.suppress(Exception):
+        serve.shutdown()
+    ray.shutdown()
+
+
+def _deploys_on_server(item: pytest.Item | None) -> bool:
+    """Whether `item`'s module deploys its app with this file's `server` fixture."""
+    if item is None or not hasattr(getattr(item, "module", None), "pdserve_args"):
+        return False
+    defs = item.session._fixturemanager.getfixturedefs("server", item) or ()
+    return bool(defs) and defs[-1].func.__module__ == __name__
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the module fixtures' teardown: Ray goes unless the next module deploys on it."""
+    try:
+        return (yield)
+    finally:
+        if not _deploys_on_server(nextitem):
+            _stop_ray()
+
+
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Server]:
-    """The module's `pdserve_args(model_dir)` app on a fresh local Ray instance (2 CPUs)."""
-    import ray
+    """The module's `pdserve_args(model_dir)` app, on the shared local Ray instance."""
     from ray import serve
 
     from app.main import build_app
 
     args: dict[str, Any] = request.module.pdserve_args(model_dir)
-    # address="local": never attach to a cluster someone else started on this machine.
-    # Replica logs stay in the Ray session dir (not the test output); failures show there.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _serve_port()
     try:
-        port = start_serve()
         serve.run(build_app(args), name="pdserve", route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=base_url, timeout=120) as http:
             wait_until(lambda: _is_healthy(http), STARTUP_TIMEOUT_S, "GET /health to answer 200")
             yield Server(base_url=base_url, http=http, args=args)
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
+        try:  # every app the module ran (some run another beside pdserve); each is drained
+            for name in serve.status().applications:
+                serve.delete(name)
+        except Exception:  # noqa: BLE001 - the next module then starts on a fresh instance
+            _stop_ray()
 
 
 def _is_healthy(http: httpx.Client) -> bool:
