@@ -1,7 +1,7 @@
 """`pdserve bench serve` end to end against the default app on the tiny model, and the
 capacity probe that `pdserve bench chaos` sizes its load from, against the same app.
 
-A ~20-second run at a low Poisson rate with a small mixed workload, through the CLI
+A ~10-second run at a low Poisson rate with a small mixed workload, through the CLI
 dispatcher, the load generator and the metrics; the output JSON must be complete and sane.
 """
 
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-DURATION_S = 20
-RATE = 1.0
+DURATION_S = 10
+RATE = 2.0
 USD_PER_HOUR = 3.6
 
 
@@ -47,7 +47,7 @@ def test_bench_serve_e2e(
     assert printed["num_requests"] == summary["num_requests"] == len(records)
     assert document["run"]["model"] == bench_server.model_name == "pdserve-tiny"
 
-    # Poisson at 1 req/s for 20 s: about 20 requests, all completed.
+    # Poisson at 2 req/s for 10 s: about 20 requests, all completed.
     assert 8 <= summary["num_requests"] <= 40
     assert summary["num_completed"] == summary["num_requests"]
     assert summary["num_failed"] == 0
