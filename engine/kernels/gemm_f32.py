@@ -43,6 +43,7 @@ _SOURCE = r"""
 #define MR 8           /* rows per register tile */
 #define KC_LEAF 384    /* longest run of k summed in one chain (MKL's order) */
 #define ROW_CHUNK 192  /* rows whose x stays in L2 while a thread's blocks pass over it */
+#define PF_K 16        /* rows of its block a row tile prefetches ahead */
 
 typedef struct { __m512 v[MR][3]; } Tile;
 
@@ -51,12 +52,16 @@ typedef struct { __m512 v[MR][3]; } Tile;
    `*t` would be stored and reloaded around every load of x. */
 static inline __attribute__((always_inline)) void leaf(
     const int R, const int NV, int k0, int k1, const float* x, int64_t ldx,
-    const float* wb, Tile* t) {
+    const float* wb, const float* pf, Tile* t) {
   __m512 acc[MR][3];
   for (int r = 0; r < R; r++)
     for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
   for (int k = k0; k < k1; k++) {
     const float* wk = wb + (int64_t)k * NB;
+    const float* pk = pf + (int64_t)k * NB;
+    _mm_prefetch((const char*)pk, _MM_HINT_T0);
+    _mm_prefetch((const char*)(pk + 16), _MM_HINT_T0);
+    _mm_prefetch((const char*)(pk + 32), _MM_HINT_T0);
     __m512 w[3];
     for (int v = 0; v < NV; v++) w[v] = _mm512_loadu_ps(wk + 16 * v);
     for (int r = 0; r < R; r++) {
@@ -70,18 +75,18 @@ static inline __attribute__((always_inline)) void leaf(
 
 #define LEAF_CASES(NV)                                                        \
   switch (R) {                                                                \
-    case 1: leaf(1, NV, k0, k1, x, ldx, wb, t); break;                        \
-    case 2: leaf(2, NV, k0, k1, x, ldx, wb, t); break;                        \
-    case 3: leaf(3, NV, k0, k1, x, ldx, wb, t); break;                        \
-    case 4: leaf(4, NV, k0, k1, x, ldx, wb, t); break;                        \
-    case 5: leaf(5, NV, k0, k1, x, ldx, wb, t); break;                        \
-    case 6: leaf(6, NV, k0, k1, x, ldx, wb, t); break;                        \
-    case 7: leaf(7, NV, k0, k1, x, ldx, wb, t); break;                        \
-    default: leaf(8, NV, k0, k1, x, ldx, wb, t); break;                       \
+    case 1: leaf(1, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    case 2: leaf(2, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    case 3: leaf(3, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    case 4: leaf(4, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    case 5: leaf(5, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    case 6: leaf(6, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    case 7: leaf(7, NV, k0, k1, x, ldx, wb, pf, t); break;                        \
+    default: leaf(8, NV, k0, k1, x, ldx, wb, pf, t); break;                       \
   }
 
 static void leaf_any(int R, int nv, int k0, int k1, const float* x, int64_t ldx,
-                     const float* wb, Tile* t) {
+                     const float* wb, const float* pf, Tile* t) {
   if (nv == 3) { LEAF_CASES(3) }
   else if (nv == 2) { LEAF_CASES(2) }
   else { LEAF_CASES(1) }
@@ -123,13 +128,14 @@ void pd_gemm_f32(int64_t M, int64_t K, int64_t N, const float* x, const float* w
       for (int64_t i = i0; i < i1; i += MR) {
         int R = (int)(i1 - i < MR ? i1 - i : MR);
         const float* xi = x + i * K;
+        const float* pf = wb + PF_K * NB; /* read ahead in this block */
         Tile acc, part;
-        leaf_any(R, nv, 0, ends[0], xi, K, wb, &acc);
+        leaf_any(R, nv, 0, ends[0], xi, K, wb, pf, &acc);
         if (bias)
           for (int r = 0; r < R; r++)
             for (int v = 0; v < nv; v++) acc.v[r][v] = _mm512_add_ps(b[v], acc.v[r][v]);
         for (int l = 1; l < nleaves; l++) {
-          leaf_any(R, nv, ends[l - 1], ends[l], xi, K, wb, &part);
+          leaf_any(R, nv, ends[l - 1], ends[l], xi, K, wb, pf, &part);
           for (int r = 0; r < R; r++)
             for (int v = 0; v < nv; v++) acc.v[r][v] = _mm512_add_ps(acc.v[r][v], part.v[r][v]);
         }
