@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -56,6 +57,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "pdserve batch") -> int:
     import openai
 
     args = build_parser(prog).parse_args(argv)
+    for name in ("httpx", "httpx2", "openai"):  # no log line per poll
+        logging.getLogger(name).setLevel(logging.WARNING)
     client = openai.OpenAI(base_url=f"{args.url.rstrip('/')}/v1", api_key=args.api_key)
     try:
         if args.action == "status":
