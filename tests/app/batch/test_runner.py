@@ -258,3 +258,15 @@ def test_preempted_lines_run_again_and_count_once(tmp_path: Path) -> None:
     ]
     assert door.calls["p2"] == door.calls["p3"] == 2  # the two started last ran twice
     assert door.calls["p0"] == door.calls["p1"] == 1
+
+
+def test_job_past_its_window_expires_keeping_finished_lines(tmp_path: Path) -> None:
+    job = Job(tmp_path, b"".join(line(f"c{i}", f"p{i}") for i in range(3)))
+    job.jobs.update(job.id, lambda record: record.update(expires_at=0))
+    door = Door()
+    door.held = {"p1", "p2"}  # never released: the expiry stops them
+    asyncio.run(job.runner(door).run())
+    batch = job.get()
+    assert batch["status"] == "expired" and batch["expired_at"] is not None
+    assert batch["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert [o["custom_id"] for o in job.output(batch["output_file_id"])] == ["c0"]
