@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from engine.kernels.native import load_library
+from engine.kernels.native import labelled, load_library
 
 _SOURCE = r"""
 #include <math.h>
@@ -223,8 +223,9 @@ def rope_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=x.dtype)
     fn = lib.pd_rope_f32 if x.dtype == torch.float32 else lib.pd_rope_bf16
-    fn(num_tokens, num_heads, head_dim, x.data_ptr(), x.stride(0), cos.data_ptr(),
-       sin.data_ptr(), out.data_ptr())  # fmt: skip
+    with labelled("rope"):
+        fn(num_tokens, num_heads, head_dim, x.data_ptr(), x.stride(0), cos.data_ptr(),
+           sin.data_ptr(), out.data_ptr())  # fmt: skip
     return out
 
 
@@ -247,9 +248,10 @@ def add_rms_norm_cpu(
     res_ptr, res_stride = (
         (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
     )
-    lib.pd_add_rms_norm_bf16(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), res_ptr,
-                             res_stride, weight.data_ptr(), eps, out.data_ptr(),
-                             summed.data_ptr())  # fmt: skip
+    with labelled("add_rms_norm"):
+        lib.pd_add_rms_norm_bf16(x.shape[0], x.shape[1], x.data_ptr(), x.stride(0), res_ptr,
+                                 res_stride, weight.data_ptr(), eps, out.data_ptr(),
+                                 summed.data_ptr())  # fmt: skip
     return out, summed
 
 
@@ -263,6 +265,7 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
-    lib.pd_silu_mul_bf16(gate_up.shape[0], inter, gate_up.data_ptr(), gate_up.stride(0),
-                         out.data_ptr())  # fmt: skip
+    with labelled("silu_mul"):
+        lib.pd_silu_mul_bf16(gate_up.shape[0], inter, gate_up.data_ptr(), gate_up.stride(0),
+                             out.data_ptr())  # fmt: skip
     return out

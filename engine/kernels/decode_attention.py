@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.native import load_library
+from engine.kernels.native import labelled, load_library
 
 _SOURCE = r"""
 #include <math.h>
@@ -461,7 +461,9 @@ def decode_attention(
         scale,
         out.data_ptr(),
     )
-    if kernel(ctypes.byref(args), torch.get_num_threads()) != 0:
+    with labelled("decode_attention"):
+        status = kernel(ctypes.byref(args), torch.get_num_threads())
+    if status != 0:
         raise MemoryError("decode attention could not allocate its scratch buffers")
     return out
 

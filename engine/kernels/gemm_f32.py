@@ -30,7 +30,7 @@ import platform
 
 import torch
 
-from engine.kernels.native import load_library
+from engine.kernels.native import labelled, load_library
 
 BLOCK_COLS = 48
 KC_LEAF = 384
@@ -212,14 +212,15 @@ def gemm(
     x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows:
-        kernel(
-            rows,
-            k,
-            out_features,
-            x.data_ptr(),
-            packed.data_ptr(),
-            None if bias is None else bias.contiguous().data_ptr(),
-            y.data_ptr(),
-            torch.get_num_threads(),
-        )
+        with labelled("gemm_f32"):
+            kernel(
+                rows,
+                k,
+                out_features,
+                x.data_ptr(),
+                packed.data_ptr(),
+                None if bias is None else bias.contiguous().data_ptr(),
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
     return y

@@ -16,6 +16,7 @@ holds for both). Kernels take their thread count as an argument anyway.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -27,6 +28,8 @@ import shutil
 import stat
 import subprocess
 import tempfile
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -166,3 +169,12 @@ def _load(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.C
             return ctypes.CDLL(target)
         finally:
             os.close(fd)
+
+
+def labelled(name: str) -> contextlib.AbstractContextManager[object]:
+    """A label (`pdserve::<name>`) for a C kernel's call while torch's profiler records:
+    a ctypes call is invisible to it otherwise (`pdserve bench engine --profile`). Costs a
+    flag check when it does not record."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(f"pdserve::{name}")
+    return contextlib.nullcontext()

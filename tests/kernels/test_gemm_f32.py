@@ -82,3 +82,13 @@ def test_rejects_what_it_cannot_run() -> None:
         gemm_f32.gemm(torch.randn(3, 64), packed, 32, torch.randn(31))
     with pytest.raises(TypeError, match="float32"):
         gemm_f32.pack(torch.randn(4, 4, dtype=torch.bfloat16))
+
+
+def test_calls_are_labelled_for_the_profiler() -> None:
+    """`bench engine --profile` sees the C kernel's time (ctypes calls are otherwise not
+    events of torch's profiler)."""
+    x, weight_t, _ = _operands(16, 64, 96, False, seed=0)
+    packed = gemm_f32.pack(weight_t)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gemm_f32.gemm(x, packed, 96, None)
+    assert "pdserve::gemm_f32" in {event.key for event in prof.key_averages()}
