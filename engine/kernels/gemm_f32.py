@@ -42,7 +42,7 @@ _SOURCE = r"""
 #define NB 48          /* output columns per packed block: three vectors of 16 */
 #define MR 8           /* rows per register tile */
 #define KC_LEAF 384    /* longest run of k summed in one chain (MKL's order) */
-#define ROW_CHUNK 192  /* rows whose x stays in L2 while a thread's blocks pass over it */
+#define X_CHUNK_BYTES (1 << 20) /* rows of x that stay in L2 while a thread's blocks pass */
 #define PF_K 16        /* rows of its block a row tile prefetches ahead */
 
 typedef struct { __m512 v[MR][3]; } Tile;
@@ -110,9 +110,11 @@ void pd_gemm_f32(int64_t M, int64_t K, int64_t N, const float* x, const float* w
   int64_t nblocks = (N + NB - 1) / NB;
   int ends[64];
   int nleaves = leaf_bounds(0, (int)K, ends, 0);
+  int64_t row_chunk = X_CHUNK_BYTES / (K * 4) / MR * MR;
+  if (row_chunk < MR) row_chunk = MR;
   #pragma omp parallel num_threads(threads)
-  for (int64_t i0 = 0; i0 < M; i0 += ROW_CHUNK) {
-    int64_t i1 = i0 + ROW_CHUNK < M ? i0 + ROW_CHUNK : M;
+  for (int64_t i0 = 0; i0 < M; i0 += row_chunk) {
+    int64_t i1 = i0 + row_chunk < M ? i0 + row_chunk : M;
     #pragma omp for schedule(static) nowait
     for (int64_t jb = 0; jb < nblocks; jb++) {
       int64_t j0 = jb * NB;
