@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SEQUENCE_MARGIN = 3
+SEQUENCE_MARGIN = 4
 SEQUENCE_MARGIN_FRACTION = 0.5
 MAX_CONVERSATIONS = 10_000  # per pool: first blocks remembered, oldest forgotten first
 

@@ -37,11 +37,11 @@ def test_a_cached_prefix_does_not_beat_a_longer_queue() -> None:
 
 
 def test_past_the_load_margin_the_prefix_counts_for_nothing() -> None:
-    assert within_margin(3, 0) and not within_margin(4, 0)
-    assert within_margin(15, 10) and not within_margin(16, 10)  # half the least, above 3
-    hot = cand(0, 4, matched=4096)
+    assert within_margin(4, 0) and not within_margin(5, 0)
+    assert within_margin(15, 10) and not within_margin(16, 10)  # half the least, above 4
+    hot = cand(0, 5, matched=4096)
     assert prefix_order([hot, cand(0, 0)]) == [1, 0]
-    assert prefix_order([cand(0, 3, matched=4096), cand(0, 0)]) == [0, 1]
+    assert prefix_order([cand(0, 4, matched=4096), cand(0, 0)]) == [0, 1]
 
 
 def test_one_hot_prefix_cannot_draw_every_request_onto_one_replica() -> None:
