@@ -1,7 +1,8 @@
 """Building and loading the C kernels of the CPU path, on first use.
 
-A kernel module hands its C source to `load_library`; the source is compiled with the system
-C compiler for this machine's instructions (`-march=native`, OpenMP) into a private
+A kernel module hands its C source (`csrc/<name>.c`, read by `kernel_source`) to
+`load_library`; the source is compiled with the system C compiler for this machine's
+instructions (`-march=native`, OpenMP) into a private
 directory (`~/.cache/pdserve/kernels`, else `<tmp>/pdserve-<uid>/kernels`, mode 0700), named
 by the SHA-256 of the source, the flags and this CPU's model and flags, with the SHA-256 of
 the built library recorded beside it. It is loaded only when the directory and library are
@@ -28,6 +29,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -169,6 +171,11 @@ def _load(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.C
             return ctypes.CDLL(target)
         finally:
             os.close(fd)
+
+
+def kernel_source(filename: str) -> str:
+    """The C source of a kernel: `engine/kernels/csrc/<filename>`."""
+    return (Path(__file__).parent / "csrc" / filename).read_text()
 
 
 def labelled(name: str) -> contextlib.AbstractContextManager[object]:

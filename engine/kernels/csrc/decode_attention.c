@@ -1,0 +1,331 @@
+/* C kernel source loaded by engine/kernels/decode_attention.py (the arguments, the torch reference). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    const void* q; /* [num_seqs, num_heads, head_dim], head_dim contiguous */
+    int64_t q_seq_stride, q_head_stride; /* in elements */
+    const void* k_cache; /* [num_blocks, block_size, num_kv_heads, head_dim], contiguous */
+    const void* v_cache;
+    const int64_t* block_tables; /* [num_seqs, table_stride] */
+    int64_t table_stride;
+    const int64_t* seq_lens; /* [num_seqs] */
+    int64_t max_seq_len;
+    float scale;
+    void* out; /* [num_seqs, num_heads, head_dim], contiguous */
+} pd_decode_args;
+
+static inline __attribute__((always_inline)) float load(const void* p, int64_t i, int bf16) {
+    if (bf16) {
+        uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float*)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void* p, int64_t i, float f, int bf16) {
+    if (bf16) {
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even (finite values) */
+        ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        ((float*)p)[i] = f;
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their max): Cephes' polynomial, ~1 ulp, vectorizable. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+static inline void prefetch_block(const void* cache, int64_t block, int64_t block_bytes) {
+    const char* p = (const char*)cache + block * block_bytes;
+    for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
+}
+
+/* One sequence: every query head over its keys; each K/V row (all kv heads, contiguous in
+   the cache) is read once. `head_dim` is a constant at the common call sites (inlined), so
+   the loops over it unroll. The next block is prefetched: blocks sit at random addresses,
+   where the hardware prefetcher cannot follow. */
+static inline __attribute__((always_inline)) void attend(
+    const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
+    float* restrict scores /* [num_heads, seq_len] */, float* restrict acc /* [H, D] */,
+    float* restrict qf /* [H, D] */) {
+    const int64_t num_heads = a->num_heads;
+    const int64_t group = num_heads / a->num_kv_heads;
+    const int64_t kv_stride = a->num_kv_heads * head_dim;
+    const int64_t block_size = a->block_size;
+    const int64_t block_bytes = block_size * kv_stride * (bf16 ? 2 : 4);
+    const int64_t seq_len = a->seq_lens[s];
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    const int64_t* table = a->block_tables + s * a->table_stride;
+    for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t d = 0; d < head_dim; d++)
+            qf[h * head_dim + d] =
+                load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) prefetch_block(a->k_cache, table[b + 1], block_bytes);
+        else prefetch_block(a->v_cache, table[0], block_bytes);
+        const int64_t t0 = b * block_size;
+        const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t row = (table[b] * block_size + j) * kv_stride;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float* restrict qr = qf + h * head_dim;
+                const int64_t k0 = row + (h / group) * head_dim;
+                float dot = 0.f;
+                for (int64_t d = 0; d < head_dim; d++)
+                    dot += qr[d] * load(a->k_cache, k0 + d, bf16);
+                scores[h * seq_len + t0 + j] = dot;
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        float* restrict sc = scores + h * seq_len;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < seq_len; t++) m = sc[t] > m ? sc[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < seq_len; t++) {
+            sc[t] = exp_nonpositive(sc[t] - m);
+            sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        if (b + 1 < num_blocks) prefetch_block(a->v_cache, table[b + 1], block_bytes);
+        const int64_t t0 = b * block_size;
+        const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t row = (table[b] * block_size + j) * kv_stride;
+            for (int64_t h = 0; h < num_heads; h++) {
+                const float p = scores[h * seq_len + t0 + j];
+                const int64_t v0 = row + (h / group) * head_dim;
+                float* restrict ah = acc + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d++)
+                    ah[d] += p * load(a->v_cache, v0 + d, bf16);
+            }
+        }
+    }
+    const int64_t o0 = s * num_heads * head_dim;
+    for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 elements (float32 or bfloat16) as float32 */
+static inline __m512 ld16(const void* p, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    return _mm512_loadu_ps((const float*)p);
+}
+
+/* lane j of the result = the sum of the 16 lanes of a[j] */
+static inline __m512 reduce16(const __m512* a) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
+}
+
+/* The same as `attend` with AVX-512: per kv head, the scores of 16 keys at a time (one
+   reduction tree for 16 dot products), and P.V with the group's accumulators in registers.
+   Needs head_dim % 16 == 0 and block_size % 16 == 0. */
+static inline __attribute__((always_inline)) void attend_avx512(
+    const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
+    float* restrict scores, float* restrict acc, float* restrict qf,
+    float* restrict ktile /* [16, head_dim] */) {
+    const int64_t num_heads = a->num_heads;
+    const int64_t num_kv_heads = a->num_kv_heads;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t kv_stride = num_kv_heads * head_dim;
+    const int64_t block_size = a->block_size;
+    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t block_bytes = block_size * kv_stride * esize;
+    const int64_t seq_len = a->seq_lens[s];
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    const int64_t* table = a->block_tables + s * a->table_stride;
+    const int64_t chunks = head_dim / 16;
+    const char* kc = (const char*)a->k_cache;
+    const char* vc = (const char*)a->v_cache;
+    for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t d = 0; d < head_dim; d++)
+            qf[h * head_dim + d] =
+                load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
+    const int64_t row_bytes = head_dim * esize;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        /* the same rows of the next block (of V after the last K block), a few lines per
+           key: blocks sit at random addresses, where the hardware prefetcher cannot follow;
+           a whole block at once fills the line-fill buffers and stalls */
+        const char* next = b + 1 < num_blocks ? kc + table[b + 1] * block_bytes
+                                              : vc + table[0] * block_bytes;
+        const int64_t t0 = b * block_size;
+        const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        for (int64_t j0 = 0; j0 < n; j0 += 16) {
+            const int64_t m = n - j0 < 16 ? n - j0 : 16;
+            const char* rows = kc + ((table[b] * block_size + j0) * kv_stride) * esize;
+            for (int64_t hk = 0; hk < num_kv_heads; hk++) {
+                /* the 16 keys of this kv head as float32 (bf16 converted once, not per head) */
+                const float* kt;
+                if (bf16) {
+                    for (int j = 0; j < 16; j++)
+                        for (int64_t c = 0; c < chunks; c++)
+                            _mm512_storeu_ps(
+                                ktile + j * head_dim + 16 * c,
+                                ld16(rows + (j * kv_stride + hk * head_dim + 16 * c) * 2, 1));
+                    kt = ktile;
+                } else {
+                    kt = (const float*)rows + hk * head_dim;
+                }
+                const int64_t kt_stride = bf16 ? head_dim : kv_stride;
+                for (int j = 0; j < 16; j++)
+                    for (int64_t off = 0; off < row_bytes; off += 64)
+                        __builtin_prefetch(next + ((j0 + j) * kv_stride + hk * head_dim) * esize +
+                                           off, 0, 3);
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t h = hk * group + g;
+                    const float* qh = qf + h * head_dim;
+                    __m512 dots[16];
+                    for (int j = 0; j < 16; j++) {
+                        const float* kr = kt + j * kt_stride;
+                        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(kr));
+                        for (int64_t c = 1; c < chunks; c++)
+                            d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
+                                                _mm512_loadu_ps(kr + 16 * c), d);
+                        dots[j] = d;
+                    }
+                    _mm512_mask_storeu_ps(scores + h * seq_len + t0 + j0,
+                                          (__mmask16)((1u << m) - 1u), reduce16(dots));
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        float* restrict sc = scores + h * seq_len;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 16 <= seq_len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sc + i));
+        float mx = _mm512_reduce_max_ps(vmax);
+        for (; i < seq_len; i++) mx = sc[i] > mx ? sc[i] : mx;
+        float sum = 0.f;
+        for (int64_t t = 0; t < seq_len; t++) {
+            sc[t] = exp_nonpositive(sc[t] - mx);
+            sum += sc[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < seq_len; t++) sc[t] *= inv;
+    }
+    for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const char* next = b + 1 < num_blocks ? vc + table[b + 1] * block_bytes : NULL;
+        const int64_t t0 = b * block_size;
+        const int64_t n = seq_len - t0 < block_size ? seq_len - t0 : block_size;
+        for (int64_t hk = 0; hk < num_kv_heads; hk++) {
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+                const int64_t gn = group - g0 < 4 ? group - g0 : 4;
+                for (int64_t c = 0; c < chunks; c++) {
+                    __m512 o[4];
+                    for (int64_t g = 0; g < gn; g++)
+                        o[g] = _mm512_loadu_ps(acc + (hk * group + g0 + g) * head_dim + 16 * c);
+                    for (int64_t j = 0; j < n; j++) {
+                        if (next != NULL && g0 == 0 && 64 * c < row_bytes)  /* spread */
+                            __builtin_prefetch(
+                                next + (j * kv_stride + hk * head_dim) * esize + 64 * c, 0, 3);
+                        const char* vr =
+                            vc + (((table[b] * block_size + j) * kv_stride) + hk * head_dim +
+                                  16 * c) * esize;
+                        const __m512 v = ld16(vr, bf16);
+                        for (int64_t g = 0; g < gn; g++)
+                            o[g] = _mm512_fmadd_ps(
+                                _mm512_set1_ps(scores[(hk * group + g0 + g) * seq_len + t0 + j]),
+                                v, o[g]);
+                    }
+                    for (int64_t g = 0; g < gn; g++)
+                        _mm512_storeu_ps(acc + (hk * group + g0 + g) * head_dim + 16 * c, o[g]);
+                }
+            }
+        }
+    }
+    const int64_t o0 = s * num_heads * head_dim;
+    for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
+}
+#endif
+
+static inline __attribute__((always_inline)) int run(const pd_decode_args* a, int bf16,
+                                                     int num_threads) {
+    const int64_t num_heads = a->num_heads;
+    const int64_t d = a->head_dim;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* scores [H, max_seq_len], acc [H, D], qf [H, D], ktile [16, D] */
+        const int64_t floats = num_heads * (a->max_seq_len + 2 * d) + 16 * d;
+        float* buf = (float*)malloc(sizeof(float) * floats);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t s = 0; s < a->num_seqs; s++) {
+            if (buf == NULL) continue;
+            float* scores = buf;
+            float* acc = buf + num_heads * a->max_seq_len;
+            float* qf = acc + num_heads * d;
+#if defined(__AVX512F__)
+            if (d % 16 == 0 && a->block_size % 16 == 0) {
+                float* ktile = qf + num_heads * d;
+                if (d == 64) attend_avx512(a, bf16, 64, s, scores, acc, qf, ktile);
+                else if (d == 128) attend_avx512(a, bf16, 128, s, scores, acc, qf, ktile);
+                else attend_avx512(a, bf16, d, s, scores, acc, qf, ktile);
+                continue;
+            }
+#endif
+            if (d == 64) attend(a, bf16, 64, s, scores, acc, qf);
+            else if (d == 128) attend(a, bf16, 128, s, scores, acc, qf);
+            else attend(a, bf16, d, s, scores, acc, qf);
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+int pd_decode_attention_f32(const pd_decode_args* a, int num_threads) {
+    return run(a, 0, num_threads);
+}
+
+int pd_decode_attention_bf16(const pd_decode_args* a, int num_threads) {
+    return run(a, 1, num_threads);
+}
