@@ -7,7 +7,9 @@ The figures follow what the engine allocates:
 - weights: the rank's shard (`engine.parallel`): its part of the decoder projections
   (FP8 with `quantization: fp8`: one byte per weight plus a float32 scale per output
   channel), its `ceil(vocab / size)` rows of the embedding and of the LM head (always its
-  own copy, tied or not; model dtype), the replicated norms;
+  own copy, tied or not; model dtype), the replicated norms; on a CPU whose float32
+  projections run through the C GEMM (`engine.kernels.gemm_f32`), each packed projection's
+  output columns padded to its column blocks;
 - KV cache: `kv_cache_bytes` is replica-wide, split evenly over the ranks (`tp_kv`);
 - activations: an estimate of one step's peak, `max_num_batched_tokens` rows through the
   widest intermediates plus the gathered float32 logits of `max_num_seqs` rows;
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import DTYPE_BYTES, ModelConfig
+from engine.kernels import gemm_f32
 from engine.parallel import Shard
 
 GIB = 1024**3
@@ -45,9 +48,16 @@ class RankMemory:
         return self.total <= device_bytes
 
 
-def weight_bytes(config: ModelConfig, shard: Shard, quantization: str | None = None) -> int:
-    """Bytes of `shard`'s parameters, as the engine holds them."""
+def weight_bytes(
+    config: ModelConfig, shard: Shard, quantization: str | None = None, device: str = "cuda"
+) -> int:
+    """Bytes of `shard`'s parameters, as the engine holds them on `device` ("cuda", "cpu")."""
     dtype_bytes = DTYPE_BYTES[config.dtype]
+    packs = device == "cpu" and config.dtype == "float32" and gemm_f32.available()
+
+    def columns(num_out: int) -> int:  # a packed projection's stored output columns
+        return gemm_f32.packed_width(num_out) if packs else num_out
+
     hidden, head_dim = config.hidden_size, config.head_dim
     q_out = len(shard.q_heads) * head_dim
     kv_out = len(shard.kv_heads) * head_dim
@@ -64,7 +74,7 @@ def weight_bytes(config: ModelConfig, shard: Shard, quantization: str | None = N
         if quantization == "fp8":
             per_layer += num_in * num_out * FP8_BYTES + num_out * SCALE_BYTES
         else:
-            per_layer += num_in * num_out * dtype_bytes
+            per_layer += num_in * columns(num_out) * dtype_bytes
     biases = 0
     if config.attention_bias:
         biases += q_out + 2 * kv_out
@@ -75,7 +85,7 @@ def weight_bytes(config: ModelConfig, shard: Shard, quantization: str | None = N
     norms = 2 * hidden
     per_layer += (biases + norms) * dtype_bytes
     per_layer += 2 * len(shard.kv_heads) * SCALE_BYTES  # per-KV-head scales (FP8 cache)
-    vocab = 2 * shard.vocab_rows * hidden * dtype_bytes  # embedding + LM head
+    vocab = (shard.vocab_rows + columns(shard.vocab_rows)) * hidden * dtype_bytes  # embed + head
     return config.num_hidden_layers * per_layer + vocab + hidden * dtype_bytes  # final norm
 
 
@@ -99,12 +109,13 @@ def rank_memory(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     quantization: str | None = None,
+    device: str = "cuda",
 ) -> RankMemory:
     """The largest rank's memory (rank 0: it holds the most KV heads when they split
     unevenly) of a replica of `config` sharded `tensor_parallel_size` ways."""
     shard = Shard(config, 0, tensor_parallel_size)
     return RankMemory(
-        weights=weight_bytes(config, shard, quantization),
+        weights=weight_bytes(config, shard, quantization, device),
         kv_cache=-(-kv_cache_bytes // tensor_parallel_size),
         activations=activation_bytes(config, shard, max_num_batched_tokens, max_num_seqs),
     )

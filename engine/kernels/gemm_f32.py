@@ -68,13 +68,18 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def packed_width(out_features: int) -> int:
+    """Output columns `pack` stores for a projection: whole blocks of `BLOCK_COLS`."""
+    return -(-out_features // BLOCK_COLS) * BLOCK_COLS
+
+
 def pack(weight_t: torch.Tensor) -> torch.Tensor:
     """The `[in, out]` float32 weight in `gemm`'s layout: flat `[blocks, in, BLOCK_COLS]`,
     the last block's missing columns zero."""
     if weight_t.dtype != torch.float32 or weight_t.dim() != 2:
         raise TypeError(f"pack takes a 2-D float32 [in, out] weight, got {weight_t.dtype}")
     k, n = weight_t.shape
-    blocks = -(-n // BLOCK_COLS)
+    blocks = packed_width(n) // BLOCK_COLS
     padded = torch.zeros(k, blocks * BLOCK_COLS, dtype=torch.float32)
     padded[:, :n] = weight_t
     return padded.view(k, blocks, BLOCK_COLS).transpose(0, 1).contiguous().view(-1)

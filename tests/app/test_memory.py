@@ -58,7 +58,7 @@ def test_tp2_weight_and_kv_bytes_equal_a_running_rank0() -> None:
     engine = Engine.from_model("tiny", num_threads=1, tensor_parallel_size=2)
     try:
         config = engine.model_config
-        memory = rank_memory(config, 2, engine.kv_spec.total_bytes, 2048, 64)
+        memory = rank_memory(config, 2, engine.kv_spec.total_bytes, 2048, 64, device="cpu")
         assert memory.weights == _param_bytes(engine.model)
         assert memory.kv_cache == engine.runner.kv_cache.spec.total_bytes
     finally:
