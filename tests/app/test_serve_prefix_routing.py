@@ -64,7 +64,9 @@ def conversations(hf: HFGreedy) -> list[list[tuple[list[int], str]]]:
     return result
 
 
-def test_later_turns_return_to_the_replica_holding_their_history(server: Server, hf: HFGreedy) -> None:
+def test_later_turns_return_to_the_replica_holding_their_history(
+    server: Server, hf: HFGreedy
+) -> None:
     plan = conversations(hf)
     client = server.openai()
 
