@@ -64,3 +64,28 @@ def test_every_interrupted_run_is_kept(tmp_path: Path) -> None:
         assert resumed(args)[2] == expected
     out.write_text(json.dumps({**document, "in_progress": None}))
     assert resumed(args)[2] == []
+
+
+def test_an_interrupted_search_replays_its_points_then_measures_on() -> None:
+    """A run built from a checkpoint answers its search's first probes with the recorded
+    points (none deployed again), keeps its isolated figures, and asks next for the rate a
+    search that had just measured them would; a point recorded at another rate (settings
+    changed since) is measured again."""
+    from bench.compare.run import ConfigRun
+
+    argv = ["--configs", "cpu-disagg,cpu-colocated", "--max-points", "3", "--json", "x.json"]
+    args = parse_args(argv)
+    live = ConfigRun("cpu-disagg", 0, args, 1.0)
+    first = {"rate": live.stepper.next_rate(), "attainment": 1.0, "started_at": 1.0}
+    live.stepper.record(first["rate"], 1.0)
+    isolated = {"short": {"ttft_ms": 10.0, "tpot_ms": 2.0}}
+    checkpoint = {"rate_start": 1.0, "points": [first], "isolated_before": isolated}
+    run = ConfigRun("cpu-disagg", 0, args, 4.0, checkpoint)
+    assert run.resumed_points == 1 and run.points == [first] and run.rate_start == 1.0
+    assert run.isolated_before == isolated and not run.done
+    assert run.stepper.next_rate() == live.stepper.next_rate() is not None
+    assert run.partial()["points"] == [first]
+
+    moved = {**checkpoint, "points": [{**first, "rate": 3.0}]}
+    again = ConfigRun("cpu-disagg", 0, args, 1.0, moved)
+    assert again.resumed_points == 0 and again.points == []
