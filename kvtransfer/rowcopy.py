@@ -14,33 +14,23 @@ rows `src_ids[i] -> dst_ids[i]`:
   not read again by this core, so ordinary stores waste half the bandwidth on
   read-for-ownership. Large transfers use it (`worth_streaming`).
 
-The helper is compiled on first use with the system C compiler into a private directory
-(`~/.cache/pdserve`, else `<tmp>/pdserve-<uid>`, mode 0700) with the SHA-256 of the built
-library recorded beside it; it is loaded only when the directory and library are ours,
-writable by nobody else, and the hash matches. Otherwise (or without a compiler; logged
-once) `available()` is False and callers use `CopyPlan`.
+The helper (`engine/kernels/csrc/ntcopy.c`) is built and loaded as the engine's C kernels
+are (`engine.kernels.native.load_library`: a private directory, the library's hash checked
+before it is loaded). Where it cannot be (no compiler, a failed check; logged once)
+`available()` is False and callers use `CopyPlan`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import stat
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from engine.kernels.native import kernel_source, load_library
 
 STAGING_BYTES = 256 * 1024  # chunk of the two-sided path: fits in L2 on current CPUs
 MIN_MEAN_RUN = 4  # blocks per run below which per-run slice copies lose to fancy indexing
@@ -138,202 +128,14 @@ class CopyPlan:
                 dst_rows[d_index] = src_rows[s_index]
 
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define PAGE 4096
-
-__attribute__((target("avx512f")))
-static inline void copy256(uint8_t* d, const uint8_t* s) {
-    __m512i a = _mm512_loadu_si512((const void*)s);
-    __m512i b = _mm512_loadu_si512((const void*)(s + 64));
-    __m512i c = _mm512_loadu_si512((const void*)(s + 128));
-    __m512i e = _mm512_loadu_si512((const void*)(s + 192));
-    _mm512_stream_si512((void*)d, a);
-    _mm512_stream_si512((void*)(d + 64), b);
-    _mm512_stream_si512((void*)(d + 128), c);
-    _mm512_stream_si512((void*)(d + 192), e);
-}
-
-/* Streams up to 4 pages of the row side by side (as glibc's large memcpy does): more
-   DRAM streams in flight than walking the row front to back. */
-__attribute__((target("avx512f")))
-static void row_avx512(uint8_t* d, const uint8_t* s, int64_t n) {
-    if ((uintptr_t)d & 63) {
-        int64_t k = 64 - (int64_t)((uintptr_t)d & 63);
-        if (k > n) k = n;
-        memcpy(d, s, k); d += k; s += k; n -= k;
-    }
-    while (n >= PAGE) {
-        int64_t pages = n / PAGE < 4 ? n / PAGE : 4;
-        for (int64_t k = 0; k < PAGE; k += 256)
-            for (int64_t p = 0; p < pages; p++) copy256(d + p * PAGE + k, s + p * PAGE + k);
-        d += pages * PAGE; s += pages * PAGE; n -= pages * PAGE;
-    }
-    for (; n >= 256; n -= 256, s += 256, d += 256) copy256(d, s);
-    if (n) memcpy(d, s, n);
-}
-
-static void row_sse2(uint8_t* d, const uint8_t* s, int64_t n) {
-    if ((uintptr_t)d & 15) {
-        int64_t k = 16 - (int64_t)((uintptr_t)d & 15);
-        if (k > n) k = n;
-        memcpy(d, s, k); d += k; s += k; n -= k;
-    }
-    for (; n >= 64; n -= 64, s += 64, d += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i*)s);
-        __m128i b = _mm_loadu_si128((const __m128i*)(s + 16));
-        __m128i c = _mm_loadu_si128((const __m128i*)(s + 32));
-        __m128i e = _mm_loadu_si128((const __m128i*)(s + 48));
-        _mm_stream_si128((__m128i*)d, a);
-        _mm_stream_si128((__m128i*)(d + 16), b);
-        _mm_stream_si128((__m128i*)(d + 32), c);
-        _mm_stream_si128((__m128i*)(d + 48), e);
-    }
-    if (n) memcpy(d, s, n);
-}
-#endif
-
-/* For each of `pairs` (dst, src) matrices: dst[dst_ids[i]] = src[src_ids[i]], i < n. */
-void pd_copy_rows(int64_t pairs, const int64_t* dsts, const int64_t* srcs,
-                  const int64_t* dst_ids, const int64_t* src_ids, int64_t n,
-                  int64_t row_bytes) {
-#if defined(__x86_64__)
-    int wide = __builtin_cpu_supports("avx512f");
-#endif
-    for (int64_t p = 0; p < pairs; p++) {
-        uint8_t* dst = (uint8_t*)(uintptr_t)dsts[p];
-        const uint8_t* src = (const uint8_t*)(uintptr_t)srcs[p];
-        for (int64_t i = 0; i < n; i++) {
-            uint8_t* d = dst + dst_ids[i] * row_bytes;
-            const uint8_t* s = src + src_ids[i] * row_bytes;
-#if defined(__x86_64__)
-            if (wide) row_avx512(d, s, row_bytes); else row_sse2(d, s, row_bytes);
-#else
-            memcpy(d, s, row_bytes);
-#endif
-        }
-    }
-#if defined(__x86_64__)
-    _mm_sfence();
-#endif
-}
-"""
-
-
-class UntrustedLibraryError(OSError):
-    """The helper's directory or library could have been written by someone else."""
-
-
-def cache_dirs() -> list[str]:
-    """Where the helper may live, in order of preference."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    per_user = os.path.join(tempfile.gettempdir(), f"pdserve-{os.getuid()}")
-    return [os.path.join(base, "pdserve"), per_user]
-
-
-def _private_dir() -> str:
-    """The first of `cache_dirs()` we can create (mode 0700) that is ours and closed to
-    others; raises UntrustedLibraryError (or OSError) when none is."""
-    error: OSError = OSError("no cache directory")
-    for path in cache_dirs():
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            _check_private(path, os.lstat(path), directory=True)
-            return path
-        except UntrustedLibraryError:
-            raise  # it exists and someone else could write it: do not look elsewhere
-        except OSError as exc:
-            error = exc
-    raise error
-
-
-def _check_private(path: str, info: os.stat_result, *, directory: bool) -> None:
-    kind_ok = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
-    if not kind_ok:
-        raise UntrustedLibraryError(f"{path} is not a plain {'directory' if directory else 'file'}")
-    if info.st_uid != os.getuid():
-        raise UntrustedLibraryError(f"{path} is owned by uid {info.st_uid}, not by us")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UntrustedLibraryError(f"{path} is writable by others (mode {info.st_mode:o})")
-
-
-def _build(compiler: str, target: str, record: str) -> None:
-    """Compile in a temporary directory beside `target`, record the hash, move it in."""
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(target)) as tmp:
-        with open(os.path.join(tmp, "ntcopy.c"), "w") as f:
-            f.write(_SOURCE)
-        cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", "ntcopy.so", "ntcopy.c"]
-        result = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=60)
-        if result.returncode != 0:
-            raise OSError(f"building the streaming-copy helper failed: {result.stderr}")
-        built = os.path.join(tmp, "ntcopy.so")
-        os.chmod(built, 0o700)
-        with open(built, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        with open(os.path.join(tmp, "sha256"), "w") as f:
-            f.write(digest)
-        os.replace(os.path.join(tmp, "sha256"), record)
-        os.replace(built, target)
-
-
-def _open_verified(target: str, record: str) -> int:
-    """An fd of `target` after checking its owner, mode and recorded hash (no TOCTOU: the
-    bytes hashed are those of the open file, which is what gets loaded)."""
-    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        _check_private(target, os.fstat(fd), directory=False)
-        with open(record, opener=_open_nofollow) as f:
-            _check_private(record, os.fstat(f.fileno()), directory=False)
-            expected = f.read().strip()
-        digest = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 20):
-            digest.update(chunk)
-        if digest.hexdigest() != expected:
-            raise UntrustedLibraryError(f"{target} does not match the hash recorded at build")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _open_nofollow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
-
-
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _library() -> ctypes.CDLL | None:
     """The loaded helper, or None (no compiler, a failed build or check: logged once)."""
-    try:
-        return _load()
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("streaming-copy helper not loaded, using numpy copies: %s", exc)
-        return None
-
-
-def _load() -> ctypes.CDLL | None:
-    digest = hashlib.sha256((_SOURCE + platform.machine()).encode()).hexdigest()[:16]
-    directory = _private_dir()
-    target = os.path.join(directory, f"ntcopy-{digest}.so")
-    record = target + ".sha256"
-    with open(os.path.join(directory, "ntcopy.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; loaders see whole files
-        if not (os.path.exists(target) and os.path.exists(record)):
-            compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-            if compiler is None:
-                logger.info("no C compiler: KV block copies use numpy (ordinary stores)")
-                return None
-            _build(compiler, target, record)
-        fd = _open_verified(target, record)
-    try:
-        lib = ctypes.CDLL(f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else target)
-    finally:
-        os.close(fd)
-    fn = lib.pd_copy_rows
-    fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64]
-    fn.restype = None
+    lib = load_library("ntcopy", kernel_source("ntcopy.c"))
+    if lib is not None:
+        fn = lib.pd_copy_rows
+        fn.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
+        fn.restype = None
     return lib
 
 

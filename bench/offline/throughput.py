@@ -20,13 +20,13 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
 
 from bench.offline.roofline import MachineRates, measure_rates, roofline
+from engine.kernels.cpu_info import cpu_info
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -151,25 +151,13 @@ def rates_of(runs: list[Run], num_prompt_tokens: int, num_decode_tokens: int) ->
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    return cpu_info().model_name
 
 
 def cpu_flags() -> list[str]:
     """The instruction-set flags the engine's CPU kernels care about."""
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
-    present = set(line.split(":", 1)[-1].split())
-    return [f for f in wanted if f in present]
+    return [f for f in wanted if f in cpu_info().flags]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

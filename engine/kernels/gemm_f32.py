@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 
 import torch
 
+from engine.kernels.cpu_info import cpu_info
 from engine.kernels.native import kernel_source, labelled, load_library
 
 BLOCK_COLS = 48
@@ -41,7 +41,7 @@ _SOURCE = kernel_source("gemm_f32.c")
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The C kernel (built on first call), or None: no AVX-512, no compiler, not Linux."""
-    if platform.machine() not in ("x86_64", "AMD64") or not _has_avx512():
+    if not cpu_info().avx512:
         return None
     # the sums' order is the point: no reassociation of the pairwise adds
     lib = load_library("gemm_f32", _SOURCE, ("-fno-associative-math", "-ffp-contract=off"))
@@ -52,15 +52,6 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.argtypes = [ctypes.c_int64] * 3 + [ptr] * 4 + [ctypes.c_int]
     fn.restype = None
     return fn
-
-
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512f" in flags
 
 
 def available() -> bool:

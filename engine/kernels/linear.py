@@ -27,13 +27,12 @@ Elsewhere (CUDA, float16, no oneDNN) callers use `linear_ref`.
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from engine.kernels import gemm_f32
+from engine.kernels.cpu_info import cpu_info
 
 Packing = Literal["f32", "onednn"]
 
@@ -53,21 +52,13 @@ def can_pack(weight_t: torch.Tensor) -> bool:
     return weight_t.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@functools.cache
-def _intel_cpu() -> bool:
-    try:
-        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def uses_onednn(weight_t: torch.Tensor) -> bool:
     """Whether a model's projection with this weight should run packed (see the module
     docstring for why float32 on Intel stays with MKL)."""
     if not can_pack(weight_t):
         return False
     if weight_t.dtype == torch.float32:
-        return not (torch.backends.mkl.is_available() and _intel_cpu())
+        return not (torch.backends.mkl.is_available() and cpu_info().intel)
     return True
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels.cpu_info import cpu_info
+
 logger = logging.getLogger(__name__)
 
 CFLAGS = (
@@ -52,17 +54,6 @@ BUILD_TIMEOUT_S = 120
 
 class UntrustedLibraryError(OSError):
     """The kernel directory or library could have been written by someone else."""
-
-
-def _cpu_identity() -> str:
-    """This CPU's model and flags: a library built with -march=native runs only where they
-    are the same (a home directory shared between machines must not mix builds)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [x for x in f.read().splitlines() if x.startswith(("model name", "flags"))]
-        return "\n".join(lines[:2])
-    except OSError:
-        return platform.processor()
 
 
 def _private_dir() -> str:
@@ -150,7 +141,7 @@ def _load(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.C
     if platform.system() != "Linux":
         return None
     flags = (*CFLAGS, *extra_flags)
-    key = "\n".join([source, " ".join(flags), platform.machine(), _cpu_identity()])
+    key = "\n".join([source, " ".join(flags), platform.machine(), cpu_info().identity()])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     directory = _private_dir()
     target = os.path.join(directory, f"{name}-{digest}.so")
@@ -174,8 +165,16 @@ def _load(name: str, source: str, extra_flags: tuple[str, ...] = ()) -> ctypes.C
 
 
 def kernel_source(filename: str) -> str:
-    """The C source of a kernel: `engine/kernels/csrc/<filename>`."""
-    return (Path(__file__).parent / "csrc" / filename).read_text()
+    """The C source of a kernel, `engine/kernels/csrc/<filename>`, with each `#include` of a
+    header of that directory pasted in (so the source, the library's cache key, covers it)."""
+    directory = Path(__file__).parent / "csrc"
+    lines = []
+    for line in (directory / filename).read_text().splitlines(keepends=True):
+        name = line.strip().removeprefix("#include").strip()
+        if line.startswith("#include") and name.startswith('"') and name.endswith('"'):
+            line = kernel_source(name.strip('"'))
+        lines.append(line)
+    return "".join(lines)
 
 
 def labelled(name: str) -> contextlib.AbstractContextManager[object]:

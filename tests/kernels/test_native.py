@@ -54,3 +54,12 @@ def test_refuses_a_directory_others_can_write(cache_home: Path) -> None:
 
 def test_a_source_that_does_not_compile_gives_none(cache_home: Path) -> None:
     assert native.load_library("broken", "this is not C") is None
+
+
+def test_a_kernels_source_carries_the_shared_header() -> None:
+    """The header is pasted in, so a change to it changes the source (the cache key)."""
+    header = native.kernel_source("pd_common.h")
+    for name in ("decode_attention.c", "elementwise.c"):
+        source = native.kernel_source(name)
+        assert header in source
+        assert not any(line.startswith('#include "') for line in source.splitlines())

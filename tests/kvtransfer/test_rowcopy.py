@@ -3,10 +3,7 @@ trust checks, and the layer checksum of `kvtransfer.payload`."""
 
 from __future__ import annotations
 
-import logging
-import os
 import zlib
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -122,47 +119,16 @@ def test_streaming_copy_checks_bounds() -> None:
     assert dst[[1, 2]].all() and not dst[[0, 3]].any()
 
 
-# -- the compiled copy helper -----------------------------------------------------------
+# -- the compiled copy helper (its build and checks: tests/kernels/test_native.py) --------
 
 
-@pytest.fixture
-def private_cache(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The helper's cache moved to a fresh directory; the real one is back afterwards."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    rowcopy._library.cache_clear()
-    yield os.path.join(str(tmp_path), "pdserve")
-    monkeypatch.undo()
-    rowcopy._library.cache_clear()
-
-
-def test_ntcopy_refuses_a_tampered_or_writable_library(
-    private_cache: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_ntcopy_is_built_as_a_kernel() -> None:
     if not rowcopy.available():
         pytest.skip("no C compiler: the helper is never built")
-    assert os.stat(private_cache).st_mode & 0o077 == 0
-    (library,) = [n for n in os.listdir(private_cache) if n.endswith(".so")]
-    path = os.path.join(private_cache, library)
-
-    def loads() -> bool:
-        rowcopy._library.cache_clear()
-        return rowcopy.available()
-
-    caplog.set_level(logging.WARNING, logger="kvtransfer.rowcopy")
-    os.chmod(path, 0o722)  # group/world writable
-    assert not loads() and "writable by others" in caplog.text
-    os.chmod(path, 0o700)
-    assert loads()
-    with open(path, "ab") as f:  # changed after it was built
-        f.write(b"\0")
-    assert not loads() and "does not match the hash" in caplog.text
-    os.unlink(path)  # a missing library is rebuilt (and recorded) afresh
-    assert loads()
-    os.chmod(private_cache, 0o777)
-    assert not loads()
-    os.chmod(private_cache, 0o700)
-    assert loads()
-    src = np.arange(4 * 64, dtype=np.uint8).reshape(4, 64)
+    src = np.arange(4 * 4160, dtype=np.int64).astype(np.uint8).reshape(4, 4160)  # > a page
     dst = np.zeros_like(src)
-    copy_rows(src, dst, np.array([3, 0], np.int64), np.array([1, 2], np.int64))
+    src_ids, dst_ids = np.array([3, 0], np.int64), np.array([1, 2], np.int64)
+    pairs = [(src.ctypes.data, dst.ctypes.data)]
+    rowcopy.copy_rows_many(pairs, src_ids, dst_ids, row_bytes=4160, src_num_rows=4, dst_num_rows=4)
     assert np.array_equal(dst[1], src[3]) and np.array_equal(dst[2], src[0])
+    assert not dst[[0, 3]].any()

@@ -1,8 +1,7 @@
 /* C kernel source loaded by engine/kernels/decode_attention.py (the arguments, the torch reference). */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "pd_common.h"
 
 typedef struct {
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
@@ -19,43 +18,12 @@ typedef struct {
 } pd_decode_args;
 
 static inline __attribute__((always_inline)) float load(const void* p, int64_t i, int bf16) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t*)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float*)p)[i];
+    return bf16 ? pd_bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
 }
 
 static inline __attribute__((always_inline)) void store(void* p, int64_t i, float f, int bf16) {
-    if (bf16) {
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even (finite values) */
-        ((uint16_t*)p)[i] = (uint16_t)(u >> 16);
-    } else {
-        ((float*)p)[i] = f;
-    }
-}
-
-/* exp(x) for x <= 0 (scores minus their max): Cephes' polynomial, ~1 ulp, vectorizable. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return p * two_n;
+    if (bf16) ((uint16_t*)p)[i] = pd_f32_to_bf16(f);
+    else ((float*)p)[i] = f;
 }
 
 static inline void prefetch_block(const void* cache, int64_t block, int64_t block_bytes) {
@@ -106,7 +74,7 @@ static inline __attribute__((always_inline)) void attend(
         for (int64_t t = 0; t < seq_len; t++) m = sc[t] > m ? sc[t] : m;
         float sum = 0.f;
         for (int64_t t = 0; t < seq_len; t++) {
-            sc[t] = exp_nonpositive(sc[t] - m);
+            sc[t] = pd_exp(sc[t] - m);
             sum += sc[t];
         }
         const float inv = 1.f / sum;
@@ -242,7 +210,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         for (; i < seq_len; i++) mx = sc[i] > mx ? sc[i] : mx;
         float sum = 0.f;
         for (int64_t t = 0; t < seq_len; t++) {
-            sc[t] = exp_nonpositive(sc[t] - mx);
+            sc[t] = pd_exp(sc[t] - mx);
             sum += sc[t];
         }
         const float inv = 1.f / sum;

@@ -1,46 +1,12 @@
 /* C kernel source loaded by engine/kernels/cpu_elementwise.py (what each computes, the torch references). */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "pd_common.h"
 
 /* Split rows over threads only for calls big enough to pay for the parallel region. */
 #define PD_PARALLEL_MIN_ELEMENTS 65536
 
-static inline float bf(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t to_bf(float f) { /* round to nearest even, NaN kept quiet */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
+#define bf pd_bf16_to_f32
+#define to_bf pd_f32_to_bf16
 static inline float rb(float f) { return bf(to_bf(f)); } /* round through bf16 */
-
-/* exp(x): Cephes' polynomial (~2 ulp), vectorizable; x clamped to float's range. */
-static inline float pd_exp(float x) {
-    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return p * two_n;
-}
 
 /* out[t, h, :] = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1).
    x: [T, H, D] with row stride ldx (elements), head stride D; cos/sin: [T, D]; out: [T, H, D]. */

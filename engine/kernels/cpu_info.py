@@ -1,0 +1,61 @@
+"""What this CPU is, read once from `/proc/cpuinfo`: the kernels' dispatch (AVX-512, the
+vendor's BLAS), the kernel cache's key and the benchmarks' machine record all read it here."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class CpuInfo:
+    vendor: str  # "GenuineIntel", "AuthenticAMD", ... ("" when unknown)
+    model_name: str  # "unknown" when not read
+    flags: frozenset[str]
+    identity_lines: str  # its `model name` and `flags` lines as written
+
+    @property
+    def x86_64(self) -> bool:
+        return platform.machine() in ("x86_64", "AMD64")
+
+    @property
+    def intel(self) -> bool:
+        return self.vendor == "GenuineIntel"
+
+    @property
+    def avx512(self) -> bool:
+        return self.x86_64 and "avx512f" in self.flags
+
+    def identity(self) -> str:
+        """The model and its flags: a library built with -march=native runs only where
+        they are the same."""
+        return self.identity_lines or platform.processor()
+
+
+def parse(text: str) -> CpuInfo:
+    """A `CpuInfo` from the text of `/proc/cpuinfo` (its first processor's fields)."""
+    fields: dict[str, str] = {}
+    lines: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key in ("vendor_id", "model name", "flags") and key not in fields:
+            fields[key] = value.strip()
+            lines[key] = line
+    return CpuInfo(
+        vendor=fields.get("vendor_id", ""),
+        model_name=fields.get("model name", "unknown"),
+        flags=frozenset(fields.get("flags", "").split()),
+        identity_lines="\n".join(lines[k] for k in ("model name", "flags") if k in lines),
+    )
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's CPU (an empty record where `/proc/cpuinfo` cannot be read)."""
+    try:
+        return parse(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return CpuInfo("", "unknown", frozenset(), "")
