@@ -10,8 +10,9 @@ throughput, then beside interactive load against that load alone.
    its own for the job (default class: the config's `batch` class, no limits of its own);
    interactive requests are sent by the config's first tenant whose default class is
    `interactive`, and judged by that class's TTFT/TPOT SLOs.
-3. **Idle**: the job is submitted (OpenAI Batch API) and followed to completion:
-   `job_tok_s` = its generated tokens / wall time from submit to completed.
+3. **Idle**: once the warm-up's interactive requests are `batch.quiet_s` behind (an idle
+   service, as pacing defines it), the job is submitted (OpenAI Batch API) and followed
+   to completion: `job_tok_s` = its generated tokens / wall time from submit to completed.
 4. **Capacity**: a closed-loop probe of interactive requests (`--interactive-prompt-tokens`,
    `--interactive-max-tokens`), doubling concurrency to saturation (`bench.serve.capacity`).
 5. **Interactive alone**: Poisson arrivals at `--load` (0.5) x that capacity for
@@ -181,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = Target(app.base_url, model, api_key=who["interactive_key"])
         warm = schedule(interactive, 1.0, 1.0, seed=options.seed + 7, num_requests=2)
         asyncio.run(run_load(target, warm, concurrency=1, progress=False))
+        time.sleep(config.batch.quiet_s + config.batch.pace_period_s)  # idle, as pacing sees it
 
         idle = asyncio.run(run_job(app.base_url, who["job_key"], shape, model))
         document["idle"] = {

@@ -57,20 +57,20 @@ def test_malformed_upload_is_400() -> None:
         asyncio.run(read_upload("application/json", None, chunks(b"{}"), 10))
 
 
-def test_pacer_grows_when_idle_and_backs_off_for_more_important_work() -> None:
+def test_pacer_opens_when_idle_and_backs_off_for_more_important_work() -> None:
     settings = BatchSettings(min_concurrency=1, busy_concurrency=4, max_concurrency=64, quiet_s=3.0)
     pacer = Pacer(settings)
     limits = [pacer.next_limit(Load(0, False, now=t)) for t in range(6)]
-    assert limits == [8, 16, 32, 64, 64, 64]
+    assert limits == [64] * 6  # quiet: the whole window at once
     assert pacer.next_limit(Load(3, False, now=10)) == 4  # interactive running: busy at once
     assert pacer.next_limit(Load(0, True, now=11)) == 2  # interactive queued: halve
     assert pacer.next_limit(Load(0, True, now=12)) == 1
     assert pacer.next_limit(Load(0, True, now=13)) == 1
     assert pacer.next_limit(Load(1, False, now=14)) == 2
     assert pacer.refused() == 1
-    # Quiet for less than quiet_s: up by one, no further than busy; then doubling again.
+    # Quiet for less than quiet_s: up by one, no further than busy; then the whole window.
     assert [pacer.next_limit(Load(0, False, now=t)) for t in (15, 16, 16.5)] == [2, 3, 4]
-    assert pacer.next_limit(Load(0, False, now=17.5)) == 8
+    assert pacer.next_limit(Load(0, False, now=17.5)) == 64
 
 
 def test_queued_ahead_reads_more_important_waiters_only() -> None:
