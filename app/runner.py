@@ -218,4 +218,3 @@ class RequestRunner:
             service_class.ttft_s or default.ttft_s, service_class.tpot_s or default.tpot_s
         )
         return self.metrics.start(labels, len(prepared.prompt_token_ids), slo)
-

@@ -1,5 +1,4 @@
-"""The `http` and `limits` sections: the HTTP listener and request size limits.
-"""
+"""The `http` and `limits` sections: the HTTP listener and request size limits."""
 
 from __future__ import annotations
 

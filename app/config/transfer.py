@@ -1,5 +1,4 @@
-"""The `transfer` section: how KV blocks move between the pools.
-"""
+"""The `transfer` section: how KV blocks move between the pools."""
 
 from __future__ import annotations
 
