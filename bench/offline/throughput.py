@@ -150,10 +150,6 @@ def rates_of(runs: list[Run], num_prompt_tokens: int, num_decode_tokens: int) ->
     }
 
 
-def cpu_name() -> str:
-    return cpu_info().model_name
-
-
 def cpu_flags() -> list[str]:
     """The instruction-set flags the engine's CPU kernels care about."""
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -211,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "output_len": args.output_len,
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
-        "cpu": cpu_name(),
+        "cpu": cpu_info().model_name,
         "cpu_flags": cpu_flags(),
         "pdserve_decode_tok_s": round(pd["decode_tok_s"], 2),
         "pdserve_prefill_tok_s": round(pd["prefill_tok_s"], 2),

@@ -26,6 +26,17 @@ static inline __attribute__((always_inline)) void store(void* p, int64_t i, floa
     else ((float*)p)[i] = f;
 }
 
+/* Scores `sc[0:n]` whose largest is `max` -> their softmax, in place. */
+static inline void normalize(float* restrict sc, int64_t n, float max) {
+    float sum = 0.f;
+    for (int64_t t = 0; t < n; t++) {
+        sc[t] = pd_exp(sc[t] - max);
+        sum += sc[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < n; t++) sc[t] *= inv;
+}
+
 static inline void prefetch_block(const void* cache, int64_t block, int64_t block_bytes) {
     const char* p = (const char*)cache + block * block_bytes;
     for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(p + off, 0, 1);
@@ -72,13 +83,7 @@ static inline __attribute__((always_inline)) void attend(
         float* restrict sc = scores + h * seq_len;
         float m = -INFINITY;
         for (int64_t t = 0; t < seq_len; t++) m = sc[t] > m ? sc[t] : m;
-        float sum = 0.f;
-        for (int64_t t = 0; t < seq_len; t++) {
-            sc[t] = pd_exp(sc[t] - m);
-            sum += sc[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < seq_len; t++) sc[t] *= inv;
+        normalize(sc, seq_len, m);
     }
     for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
     for (int64_t b = 0; b < num_blocks; b++) {
@@ -208,13 +213,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         for (; i + 16 <= seq_len; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sc + i));
         float mx = _mm512_reduce_max_ps(vmax);
         for (; i < seq_len; i++) mx = sc[i] > mx ? sc[i] : mx;
-        float sum = 0.f;
-        for (int64_t t = 0; t < seq_len; t++) {
-            sc[t] = pd_exp(sc[t] - mx);
-            sum += sc[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < seq_len; t++) sc[t] *= inv;
+        normalize(sc, seq_len, mx);
     }
     for (int64_t i = 0; i < num_heads * head_dim; i++) acc[i] = 0.f;
     for (int64_t b = 0; b < num_blocks; b++) {
