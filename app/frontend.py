@@ -240,6 +240,7 @@ class Frontend:
             params.max_tokens,
             checks=lambda: self._check_prompt(prompt_token_ids, params, prompt_param),
             prompt_param=prompt_param,
+            prompt_token_ids=prompt_token_ids,
         )
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.

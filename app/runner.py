@@ -195,7 +195,7 @@ class RequestRunner:
         ]
         self.overflow.started(route.decode_pool, prepared.n)
         pool = route.decode_pool if route.local_prefill else route.prefill_pool
-        computing = (pool or route.decode_pool, len(prepared.prompt_token_ids))
+        computing = route.computes or (pool or route.decode_pool, len(prepared.prompt_token_ids))
         self.overflow.prompt_started(*computing)
         return tasks, self.overload.deadline_timer(prepared.deadline, queue), computing
 

@@ -114,9 +114,10 @@ class Engine:
         self._ids = itertools.count()
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
-        # (start, seconds, prompt tokens) of recent steps that computed prompt tokens: the
-        # replica's prefill rate, which decode-only steps (whole requests) do not dilute
-        self.prompt_steps: deque[tuple[float, float, int]] = deque(maxlen=1024)
+        # (start, seconds, prompt tokens, all tokens) of recent steps that computed prompt
+        # tokens: the replica's prefill rate, which decode-only steps (whole requests) do not
+        # dilute, and the share of its time prompts take (`replica.signals.busy_share`)
+        self.prompt_steps: deque[tuple[float, float, int, int]] = deque(maxlen=1024)
         self.started_at = time.perf_counter()  # the span those signals can cover
 
     def close(self) -> None:
@@ -276,7 +277,8 @@ class Engine:
             seconds = time.perf_counter() - start
             self.step_times.append((start, seconds))
             if num_prompt_tokens:
-                self.prompt_steps.append((start, seconds, num_prompt_tokens))
+                num_tokens = sum(s.num_new_tokens for s in output.scheduled)
+                self.prompt_steps.append((start, seconds, num_prompt_tokens, num_tokens))
         deltas = []
         for item in output.scheduled:
             request = item.request

@@ -70,13 +70,17 @@ class RecentSamples:
         return percentile(values, 0.9) if len(values) >= MIN_SAMPLES else 0.0
 
 
-def prompt_tokens_per_s(prompt_steps: Iterable[tuple[float, float, int]], since: float) -> float:
+PromptStep = tuple[float, float, int, int]  # perf_counter start, seconds, prompt tokens, all
+
+
+def prompt_tokens_per_s(prompt_steps: Iterable[PromptStep], since: float) -> float:
     """Prompt tokens computed per second of the steps that computed them, over the steps
     started at or after `since` (`Engine.prompt_steps`: (perf_counter start, seconds,
-    prompt tokens)); 0.0 when there are none. Steps that only decode do not count, so a
-    replica that also serves whole requests reports the speed of its prompts, not less."""
+    prompt tokens, all tokens)); 0.0 when there are none. Steps that only decode do not
+    count, so a replica that also serves whole requests reports the speed of its prompts,
+    not less."""
     tokens = seconds = 0.0
-    for start, duration, num_tokens in prompt_steps:
+    for start, duration, num_tokens, _ in prompt_steps:
         if start >= since:
             tokens += num_tokens
             seconds += duration
@@ -84,7 +88,7 @@ def prompt_tokens_per_s(prompt_steps: Iterable[tuple[float, float, int]], since:
 
 
 def busy_share(
-    prompt_steps: Iterable[tuple[float, float, int]],
+    prompt_steps: Iterable[PromptStep],
     now: float,
     window_s: float,
     observed_since: float | None = None,
@@ -97,11 +101,19 @@ def busy_share(
     start) less than `window_s` ago is judged over its life so far, at least
     `MIN_BUSY_SPAN_S`. Dividing by the whole window would read a replica 8 s old and
     computing prompts all the time as 27% busy, so decode overflow would send whole requests
-    to a freshly started (or scaled-up) prefill replica saturated with prompts."""
+    to a freshly started (or scaled-up) prefill replica saturated with prompts.
+
+    A step that also decoded counts for its prompt tokens' share of its tokens only: a
+    replica serving chat turns whole has a short prompt chunk in most steps at load, and
+    counting those whole read it as always busy while its streams hardly waited."""
     since = now - window_s
     if observed_since is not None:
         since = max(since, min(observed_since, now - MIN_BUSY_SPAN_S))
-    busy = sum(duration for start, duration, _ in prompt_steps if start >= since)
+    busy = sum(
+        duration * num_prompt / max(num_tokens, num_prompt, 1)
+        for start, duration, num_prompt, num_tokens in prompt_steps
+        if start >= since
+    )
     return min(busy / (now - since), 1.0)
 
 

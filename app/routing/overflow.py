@@ -17,12 +17,26 @@ pool has room.
 The figure is a replica's decode load, `(num_sequences + 1) / (1 - prompt_busy)`: a new
 stream joins a batch of `num_sequences + 1` (running, queued, awaiting KV), and decodes only
 in the share of the time the replica is not computing prompts (`prompt_busy`: the last 30 s,
-or its life so far when younger, from `Engine.prompt_steps`; both pools report it). So a
+or its life so far when younger, from `Engine.prompt_steps`, a mixed step counting for its
+prompt tokens' share of its tokens; both pools report it). So a
 prefill replica busy with prompts takes whole requests only when the decode pool is that
 much fuller, and the two pools' load evens out whichever of prompts or tokens binds. A
 replica busier with prompts than `adaptive_prefill.decode_overflow_max_prompt_busy` takes
 none: its streams' TPOT would more than double (the prefill-bound case, long-context load,
 where disaggregation pays and overflow would undo it; BENCHMARKS.md).
+
+A conversation follows its history. Each chat turn sends the whole history again, and the
+side that served the previous turn caches it: the decode replica (which then prefills only
+the new suffix itself, or receives only the blocks it lacks) or, after a turn served whole,
+the prefill replica. So before the load rule the ingress looks up how much of the prompt
+each side caches, in the prefix indexes its replica routers keep
+(`app/routing/prefix_index.py`, `shared`). A serving prefill pool caching more of it than the
+decode pool takes the request whole while its load is within the prefix margin of the
+decode pool's (`prefix_choice.within_margin`: 4 sequences, or half the smaller load); a
+decode pool caching more keeps the route while its load is within that margin of the least
+loaded candidate's. Past the margin the load rule decides, so one hot conversation cannot
+pin a replica. With the load rule alone, 22 of 96 later turns moved away from their history
+(BENCHMARKS.md, multi-turn).
 
 That share is an average; what a new stream meets is the prompt being computed now. A whole
 request that lands while a long prompt computes waits for it (TTFT) and then stalls at every
@@ -70,14 +84,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from app.config import PDServeConfig, PoolConfig
+from app.routing import prefix_index
 from app.routing.adaptive import SentSince
 from app.routing.pool_router import RouteDecision
+from app.routing.prefix_choice import within_margin
 from replica.placement import PoolSnapshot, figure
+from replica.prefix_digest import prompt_block_keys
 
 MAX_PROMPT_BUSY = 0.95  # keeps the load finite for a replica that only computed prompts
 
@@ -97,12 +114,17 @@ class OverflowChoice:
 
 
 def choose_overflow(
-    decode: float, candidates: Mapping[str, float | None], gap: float
+    decode: float,
+    candidates: Mapping[str, float | None],
+    gap: float,
+    cached: Mapping[str, int] | None = None,
+    decode_cached: int = 0,
 ) -> OverflowChoice:
     """Where a request goes, from the decode load (`decode_load`) of the decode pool's least
     loaded replica (`decode`) and of each candidate pool's (`candidates`, in preference
     order; None: no replica of that pool is idle enough between prompts to take whole
-    requests)."""
+    requests). `cached`: tokens of the prompt's longest prefix cached in each candidate pool,
+    `decode_cached` in the decode pool (`follow_prefix`)."""
     if not candidates:
         return OverflowChoice(None, "no prefill pool that serves decode has a recent load")
     idle = {pool: load for pool, load in candidates.items() if load is not None}
@@ -110,12 +132,34 @@ def choose_overflow(
         busy = ", ".join(candidates)
         return OverflowChoice(None, f"prefill pools {busy} busy with prompts: route stands")
     candidates = idle
+    if (held := follow_prefix(decode, idle, cached or {}, decode_cached)) is not None:
+        return held
     pool, load = min(candidates.items(), key=lambda item: item[1])
     figures = f"decode load {decode:.1f} on decode vs {load:.1f} on {pool}"
     if decode > load and decode - load >= gap:  # a tie stays on decode, even at gap 0
         return OverflowChoice(pool, f"decode overflow: {figures} -> served whole on {pool}")
     need = f"above by {gap:g}" if gap else "above"
     return OverflowChoice(None, f"{figures}: decode not {need}, route stands")
+
+
+def follow_prefix(
+    decode: float, idle: Mapping[str, float], cached: Mapping[str, int], decode_cached: int
+) -> OverflowChoice | None:
+    """The side holding more of the prompt's history, while its load is within the prefix
+    margin of the other's (`prefix_choice.within_margin`, as the replica router credits a
+    cached prefix); None when neither holds more, or the holder is past the margin (the
+    load rule decides)."""
+    pool = max(idle, key=lambda p: cached.get(p, 0))
+    held = cached.get(pool, 0)
+    figures = f"{held} on {pool} vs {decode_cached} on decode"
+    loads = f"decode load {idle[pool]:.1f} on {pool} vs {decode:.1f} on decode"
+    if held > decode_cached and within_margin(idle[pool], decode):
+        why = f"prefix cached: {figures} tokens, {loads} -> served whole on {pool}"
+        return OverflowChoice(pool, why)
+    least = min(idle.values())
+    if decode_cached > held and within_margin(decode, least):
+        return OverflowChoice(None, f"prefix cached: {figures} tokens, {loads}: route stands")
+    return None
 
 
 class DecodeOverflow:
@@ -186,9 +230,11 @@ class DecodeOverflow:
         tenant: str,
         num_sequences: int = 1,
         max_tokens: int | None = None,
+        prompt_token_ids: Sequence[int] = (),
     ) -> RouteDecision:
         """`route`, moved whole onto a prefill pool when the decode pool's load is higher by
-        the gap; a short output (`max_tokens` at most `serve_whole_max_output_tokens`)
+        the gap, or when that pool caches more of the prompt (`prompt_token_ids`) within the
+        prefix margin; a short output (`max_tokens` at most `serve_whole_max_output_tokens`)
         served whole where less is in flight (`_place_short`). Its reason is extended with the
         figures; `num_sequences`: the request's `n`."""
         if not self._serving:
@@ -200,15 +246,41 @@ class DecodeOverflow:
                 return self._served_whole(route, *placed, num_sequences, now)
         decode = self._load(route.decode_pool, now)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
+        pools = self._covering(num_prompt_tokens, tenant)
+        cached = self._cached(
+            [route.decode_pool, *pools, *filter(None, [route.prefill_pool])],
+            prompt_token_ids,
+            tenant,
+        )
         if decode is not None:
             candidates: dict[str, float | None] = {}
-            for pool in self._covering(num_prompt_tokens, tenant):
+            for pool in pools:
                 if seen := self._fresh(pool, now):
                     candidates[pool] = self._least(pool, seen, candidate=True)
-            choice = choose_overflow(decode, candidates, self._gap)
+            held = {pool: cached[pool] for pool in candidates}
+            choice = choose_overflow(decode, candidates, self._gap, held, cached[route.decode_pool])
+        computes: tuple[str, int] | None = None  # as the route says, with nothing cached
         if choice.pool is None:
-            return self._stands(route, choice.reason, num_sequences, now)
-        return self._served_whole(route, choice.pool, choice.reason, num_sequences, now)
+            if any(cached.values()):
+                computes = self._computes(route, num_prompt_tokens, cached)
+            return self._stands(route, choice.reason, num_sequences, now, computes)
+        if cached[choice.pool]:
+            computes = (choice.pool, num_prompt_tokens - cached[choice.pool])
+        return self._served_whole(route, choice.pool, choice.reason, num_sequences, now, computes)
+
+    def _computes(
+        self, route: RouteDecision, num_prompt_tokens: int, cached: Mapping[str, int]
+    ) -> tuple[str, int]:
+        """Where a standing route's prompt computes, and how many tokens: on the decode pool
+        what its cache lacks when that is local (the route's, or a suffix shorter than
+        `local_prefill_threshold`, which the decode replica computes itself:
+        `decode/server.py`), else on the prefill pool what its cache lacks."""
+        decode_cached = cached.get(route.decode_pool, 0)
+        suffix = num_prompt_tokens - decode_cached
+        short = decode_cached > 0 and suffix < self._config.local_prefill_threshold
+        if route.prefill_pool is None or route.local_prefill or short:
+            return route.decode_pool, suffix
+        return route.prefill_pool, num_prompt_tokens - cached.get(route.prefill_pool, 0)
 
     def _place_short(
         self,
@@ -242,22 +314,42 @@ class DecodeOverflow:
         return pool, f"{short}, per replica {figures} -> served whole on {pool}"
 
     def _stands(
-        self, route: RouteDecision, why: str, num_sequences: int, now: float
+        self,
+        route: RouteDecision,
+        why: str,
+        num_sequences: int,
+        now: float,
+        computes: tuple[str, int] | None = None,
     ) -> RouteDecision:
-        """`route` unchanged (counted as sent to its pools), `why` ending its reason."""
+        """`route` unchanged (counted as sent to its pools), `why` ending its reason;
+        `computes`: where its prompt computes (`RouteDecision.computes`)."""
         self._sent.add(route.decode_pool, num_sequences, now)
-        if route.prefill_pool is not None:  # its prompt is computed there meanwhile
-            self._sent.add(route.prefill_pool, num_sequences, now)
-        return dataclasses.replace(route, reason=f"{route.reason}; {why}")
+        prompt_pool = computes[0] if computes is not None else route.prefill_pool
+        if prompt_pool is not None and prompt_pool != route.decode_pool:
+            self._sent.add(prompt_pool, num_sequences, now)  # its prompt computes there
+        reason = f"{route.reason}; {why}"
+        return dataclasses.replace(route, reason=reason, computes=computes)
 
     def _served_whole(
-        self, route: RouteDecision, pool: str, why: str, num_sequences: int, now: float
+        self,
+        route: RouteDecision,
+        pool: str,
+        why: str,
+        num_sequences: int,
+        now: float,
+        computes: tuple[str, int] | None = None,
     ) -> RouteDecision:
-        """`route` moved whole onto `pool` (counted as sent there), `why` ending its reason."""
+        """`route` moved whole onto `pool` (counted as sent there), `why` ending its reason;
+        `computes`: the prompt tokens its cache there lacks (`RouteDecision.computes`)."""
         self._sent.add(pool, num_sequences, now)
         reason = f"{route.reason}; {why}"
         return dataclasses.replace(
-            route, decode_pool=pool, prefill_pool=None, local_prefill=True, reason=reason
+            route,
+            decode_pool=pool,
+            prefill_pool=None,
+            local_prefill=True,
+            reason=reason,
+            computes=computes,
         )
 
     def _covering(self, num_prompt_tokens: int, tenant: str) -> list[str]:
@@ -269,6 +361,25 @@ class DecodeOverflow:
             if pool.name in allowed
             and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
         ]
+
+    def _cached(
+        self, pools: list[str], prompt_token_ids: Sequence[int], tenant: str
+    ) -> dict[str, int]:
+        """Tokens of the prompt's longest prefix cached on each pool's replicas, as this
+        process's replica routers know them (`prefix_index.shared`; 0 where none does)."""
+        cached = dict.fromkeys(pools, 0)
+        keys: dict[int, list[int]] = {}  # block size -> the prompt's block keys
+        for pool in pools:
+            index = prefix_index.shared.get(pool)
+            size = index.block_size if index is not None else None
+            if index is None or not size or len(prompt_token_ids) < size:
+                continue
+            if size not in keys:
+                keys[size] = prompt_block_keys(
+                    prompt_token_ids, size, tenant, prefix_index.MAX_PROMPT_BLOCKS
+                )
+            cached[pool] = index.longest(keys[size]) * size
+        return cached
 
     def _is_short(self, max_tokens: int | None) -> bool:
         """Whether the request asks for at most `serve_whole_max_output_tokens` new tokens."""

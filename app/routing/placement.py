@@ -5,7 +5,7 @@ with its figures, so the route a request carries says why it went where it went.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from app.errors import BadRequestError
 from app.routing.adaptive import AdaptivePrefill
@@ -32,13 +32,15 @@ class Placement:
         max_tokens: int,
         checks: Callable[[], None] = lambda: None,
         prompt_param: str = "prompt",
+        prompt_token_ids: Sequence[int] = (),
     ) -> RouteDecision:
         """Where the request runs. The configured rules come first and raise the request's
         routing errors (`BadRequestError`: an empty or too long prompt, an unknown tenant,
         no pool it may use); then `checks()` (the request's other validation, which may
         raise); only then the load-dependent steps, which count the tokens they send to a
         pool, so a request refused by its checks is never counted. `prompt_param` names
-        the prompt's field in the rules' errors about its length."""
+        the prompt's field in the rules' errors about its length; `prompt_token_ids`, when
+        given, let decode overflow keep a conversation where its history is cached."""
         try:
             route = self.policy.route(num_prompt_tokens, tenant)
         except BadRequestError as exc:
@@ -46,4 +48,6 @@ class Placement:
             raise
         checks()
         route = self.adaptive.apply(route, num_prompt_tokens, priority)
-        return self.overflow.apply(route, num_prompt_tokens, tenant, num_sequences, max_tokens)
+        return self.overflow.apply(
+            route, num_prompt_tokens, tenant, num_sequences, max_tokens, prompt_token_ids
+        )

@@ -59,6 +59,9 @@ class RouteDecision:
     local_prefill: bool
     priority: int  # lower is more important (the tenant's priority)
     reason: str  # human-readable, for logs and span attributes
+    # Where the prompt is expected to compute and how many of its tokens, when a cached
+    # prefix changes that (decode overflow); None: all of it where the route says.
+    computes: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,11 @@ Two sources, both bounded:
   `sent_ttl_s`, after which the digest alone speaks; at most `max_sent` of them, oldest
   dropped first.
 
-Pure Python with an injected clock; one instance per replica router (per pool and process).
-Thread-safe: Serve may push replica updates from another thread than the one choosing.
+Pure Python with an injected clock; one instance per pool and process (`shared`), which
+every replica router of the pool in that process feeds and reads, and which decode
+overflow (`app/routing/overflow.py`) reads to keep a conversation on the pool holding its
+history. Thread-safe: Serve may push replica updates from another thread than the one
+choosing.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from replica.prefix_digest import DIGEST_MAX_BLOCKS, KEY_BYTES, decode_digest, m
 
 DIGEST_MAX_AGE_S = 10.0  # reports come every second; ten missed means the replica is gone
 SENT_TTL_S = 10.0  # covers the report lag (stats period, digest refresh, Serve's push)
+# Blocks of a prompt hashed for a prefix lookup at most (32k tokens at 16 per block).
+MAX_PROMPT_BLOCKS = 2048
 MAX_SENT_KEYS = 65_536  # ~5 MiB at most; far above what ten seconds of sends name
 
 
@@ -100,6 +105,12 @@ class PrefixIndex:
             while len(self._sent) > self._max_sent:
                 self._sent.popitem(last=False)
 
+    def longest(self, keys: Sequence[int]) -> int:
+        """Blocks of the longest prefix of `keys` cached on any of the pool's replicas."""
+        with self._lock:
+            replicas = set(self._digests) | {replica for replica, _ in self._sent}
+        return max((self.matched(replica, keys) for replica in replicas), default=0)
+
     def matched(self, replica: str, keys: Sequence[int]) -> int:
         """Blocks of the longest prefix of `keys` cached on `replica`, as far as it knows."""
         if not keys:
@@ -123,3 +134,25 @@ class PrefixIndex:
     def _expire(self, now: float) -> None:
         while self._sent and next(iter(self._sent.values())) <= now:
             self._sent.popitem(last=False)
+
+
+class PrefixIndexes:
+    """pool (deployment) name -> its `PrefixIndex`, for this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[str, PrefixIndex] = {}
+
+    def pool(self, name: str) -> PrefixIndex:
+        """The pool's index, created on first use."""
+        with self._lock:
+            return self._pools.setdefault(name, PrefixIndex())
+
+    def get(self, name: str) -> PrefixIndex | None:
+        """The pool's index; None while no router of it in this process has made one."""
+        with self._lock:
+            return self._pools.get(name)
+
+
+# Process-global: Serve builds the routers, and decode overflow reads what they know.
+shared = PrefixIndexes()

@@ -52,14 +52,13 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 # The modules, not their objects: Serve pickles this router module by value into every caller
 # process, and objects named here would travel as copies, not the process's shared ones.
 from app.routing import prefix_choice
+from app.routing import prefix_index as prefix_indexes
 from app.routing.prefix_choice import Candidate, prefix_order
 from app.routing.prefix_index import PrefixIndex
 from replica import placement
 from replica.prefix_digest import prompt_block_keys
 
 MAX_IN_FLIGHT = 100_000  # far above the calls one process has open; bounds a lost completion
-# Blocks of a prompt hashed for the prefix lookup at most (32k tokens at 16 per block).
-MAX_PROMPT_BLOCKS = 2048
 # How long a replica's reports may lag behind a call (the stats period, 1 s, and Serve's
 # push). A call counts on the replica ranked first for it from that moment (Serve switches
 # tasks between choosing and sending, and a burst routed meanwhile must see it) until it is
@@ -227,8 +226,9 @@ class KVAwareRouter(RequestRouter):
 
     @property
     def prefix_index(self) -> PrefixIndex:
+        # One per pool in this process, shared by its routers and read by decode overflow.
         if (index := getattr(self, "_prefix_index", None)) is None:
-            index = self._prefix_index = PrefixIndex()
+            index = self._prefix_index = prefix_indexes.shared.pool(self._deployment_id.name)
         return index
 
     def create_replica_wrapper(self, replica_info: RunningReplicaInfo) -> RunningReplica:
@@ -255,7 +255,7 @@ class KVAwareRouter(RequestRouter):
         if prompt is None or block_size is None:
             return []
         tenant = getattr(first_arg, "tenant", "") or ""
-        return prompt_block_keys(prompt, block_size, tenant, MAX_PROMPT_BLOCKS)
+        return prompt_block_keys(prompt, block_size, tenant, prefix_indexes.MAX_PROMPT_BLOCKS)
 
     def _rank(self, replicas: list[RunningReplica], keys: list[int]) -> tuple[list[int], list[int]]:
         """(order of `replicas`, most preferred first; blocks of the prompt each caches)."""

@@ -35,18 +35,20 @@ def test_recent_samples_forget_what_left_the_window() -> None:
 
 
 def test_prompt_rate_and_signal_dicts() -> None:
-    steps = [(0.0, 1.0, 100), (5.0, 0.5, 300), (9.0, 0.25, 600)]
+    steps = [(0.0, 1.0, 100, 100), (5.0, 0.5, 300, 300), (9.0, 0.25, 600, 600)]
     assert prompt_tokens_per_s(steps, since=4.0) == 1200.0  # 900 tokens in 0.75 s
     assert prompt_tokens_per_s(steps, since=10.0) == 0.0
     assert busy_share(steps, now=10.0, window_s=5.0) == 0.15  # 0.75 s of the last 5 s
-    assert busy_share([(0.0, 30.0, 9)], now=30.0, window_s=30.0) == 1.0
+    assert busy_share([(0.0, 30.0, 9, 9)], now=30.0, window_s=30.0) == 1.0
+    # a step that also decoded 30 streams counts for its 10 prompt tokens' share: 1/4
+    assert busy_share([(8.0, 2.0, 10, 40)], now=10.0, window_s=10.0) == 0.05
     # a replica 8 s old that computed prompts 6 s of them: 75% busy, not 6/30
-    young = [(2.0, 3.0, 900), (5.0, 3.0, 900)]
+    young = [(2.0, 3.0, 900, 900), (5.0, 3.0, 900, 900)]
     assert busy_share(young, now=10.0, window_s=30.0, observed_since=2.0) == 0.75
     assert busy_share(young, now=10.0, window_s=30.0) == 0.2  # the whole window: too low
     # older than the window: the window; just started: at least its first second
     assert busy_share(steps, now=10.0, window_s=5.0, observed_since=0.0) == 0.15
-    assert busy_share([(5.0, 0.25, 8)], now=5.5, window_s=30.0, observed_since=5.0) == 0.25
+    assert busy_share([(5.0, 0.25, 8, 8)], now=5.5, window_s=30.0, observed_since=5.0) == 0.25
     ttft = RecentSamples(30.0)
     ttft.add(120.0, now=2.0)
     assert prefill_signals({"queued_tokens": 0}, 900.0, ttft, now=3.0)["ttft_p90_ms"] == 0

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from app.admission.controller import decode_pool_blocks
 from app.config import PDServeConfig
+from app.routing import prefix_index
 from app.routing.overflow import DecodeOverflow, OverflowChoice, choose_overflow
 from app.routing.pool_router import RouteDecision
 from decode.server import DecodeServer
@@ -25,6 +26,7 @@ from engine.loader import load_model_config
 from engine.request import SamplingParams
 from prefill.server import PrefillServer
 from replica.placement import PoolView
+from replica.prefix_digest import KEY_BYTES, prompt_block_keys
 from replica.protocol import GenerationSpec
 from replica.signals import MIN_BUSY_SPAN_S, SIGNAL_WINDOW_S
 
@@ -70,6 +72,32 @@ def test_pools_busy_with_prompts_are_no_candidates() -> None:
     assert choice.pool == "prefill-long"
     choice = choose_overflow(10.0, {"prefill": None}, gap=1)
     assert choice == OverflowChoice(None, "prefill pools prefill busy with prompts: route stands")
+
+
+def test_a_conversation_follows_the_side_caching_its_history() -> None:
+    """Within the prefix margin (4 sequences, or half the smaller load) the side caching more
+    of the prompt takes it, whichever the load rule would pick; past it the load decides."""
+    moved = choose_overflow(2.0, {"prefill": 5.0}, gap=0, cached={"prefill": 512})
+    assert moved.pool == "prefill"
+    assert moved.reason == (
+        "prefix cached: 512 on prefill vs 0 on decode tokens, decode load 5.0 on prefill vs "
+        "2.0 on decode -> served whole on prefill"
+    )
+    stays = choose_overflow(5.0, {"prefill": 1.0}, gap=0, cached={"prefill": 16}, decode_cached=64)
+    assert stays.pool is None and stays.reason.endswith("route stands")
+    assert stays.reason.startswith("prefix cached: 16 on prefill vs 64 on decode tokens")
+    # past the margin: 2 + max(4, 1) = 6 < 6.5, and 20 > 10 + max(4, 5)
+    assert choose_overflow(2.0, {"prefill": 6.5}, gap=0, cached={"prefill": 512}).pool is None
+    past = choose_overflow(20.0, {"prefill": 10.0}, gap=0, decode_cached=512)
+    assert past.pool == "prefill" and past.reason.startswith("decode overflow")
+    # equal caches: the load rule
+    even = choose_overflow(3.0, {"prefill": 1.0}, gap=0, cached={"prefill": 64}, decode_cached=64)
+    assert even.pool == "prefill" and even.reason.startswith("decode overflow")
+
+
+def test_a_pool_busy_with_prompts_is_not_followed_for_its_prefix() -> None:
+    choice = choose_overflow(1.0, {"prefill": None}, gap=0, cached={"prefill": 512})
+    assert choice.pool is None and "busy with prompts" in choice.reason
 
 
 # ---- the route -------------------------------------------------------------------------
@@ -261,6 +289,55 @@ def test_apply_keeps_the_route_while_decode_has_room() -> None:
     route = loads.overflow().apply(REMOTE, 900, "")
     assert route.prefill_pool == "prefill" and route.decode_pool == "decode"
     assert route.reason.endswith("2.0 on prefill: decode not above by 2, route stands")
+
+
+@pytest.fixture
+def indexes(monkeypatch: pytest.MonkeyPatch) -> prefix_index.PrefixIndexes:
+    """This process's prefix indexes, fresh for the test (the replica routers' view)."""
+    fresh = prefix_index.PrefixIndexes()
+    monkeypatch.setattr(prefix_index, "shared", fresh)
+    return fresh
+
+
+def cache(indexes: prefix_index.PrefixIndexes, pool: str, prompt: list[int], tenant: str) -> None:
+    """The pool's router saw a replica report `prompt`'s blocks for `tenant`."""
+    keys = prompt_block_keys(prompt, 16, tenant)
+    blob = b"".join(k.to_bytes(KEY_BYTES, "little") for k in keys)
+    indexes.pool(pool).update(f"{pool}-0", {"prefix_digest": blob, "block_size": 16})
+
+
+def test_apply_serves_a_turn_where_its_history_is_cached(
+    indexes: prefix_index.PrefixIndexes,
+) -> None:
+    history = list(range(100, 612))  # 32 blocks
+    turn = history + list(range(700, 764))
+    cfg = config(local_prefill_threshold=128)  # a decode replica computes suffixes below
+    loads = Loads()
+    loads.publish("decode", 1)
+    loads.publish("prefill", 3)  # the load rule alone keeps it on decode
+    assert loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn).decode_pool == (
+        "decode"
+    )
+    cache(indexes, "prefill", history, "acme")  # another tenant's blocks hash differently
+    other = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
+    assert other.decode_pool == "decode"
+    cache(indexes, "prefill", history, "")
+    moved = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
+    assert moved.decode_pool == "prefill" and moved.local_prefill
+    assert "prefix cached: 512 on prefill vs 0 on decode tokens" in moved.reason
+    assert moved.computes == ("prefill", 64)  # only the new suffix computes there
+    # the decode pool caching more keeps the turn, though the prefill replica is idler
+    loads.publish("decode", 3)
+    loads.publish("prefill", 1)
+    cache(indexes, "decode", turn, "")
+    kept = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
+    assert kept.decode_pool == "decode" and kept.prefill_pool == "prefill"
+    assert "prefix cached: 512 on prefill vs 576 on decode tokens" in kept.reason
+    # the decode replica holds it all: nothing of it counts as computing on the prefill pool
+    assert kept.computes == ("decode", 0)
+    cache(indexes, "decode", [], "")  # evicted there: back to the replica holding most
+    back = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
+    assert back.decode_pool == "prefill" and back.computes == ("prefill", 64)
 
 
 def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
@@ -519,7 +596,7 @@ def test_prefill_replica_serves_whole_requests_like_a_decode_replica(tmp_path: P
         assert stats["admission"]["num_active"] == 0
         # The prompt took one step, the 11 other tokens one each: the rate is the prompt's.
         prompt_steps = list(serving.engine.prompt_steps)
-        assert [n for _, _, n in prompt_steps] == [len(prompt)]
+        assert [n for _, _, n, _ in prompt_steps] == [len(prompt)]
         assert len(serving.engine.step_times) == 12
         rate = len(prompt) / prompt_steps[0][1]
         assert stats["prefill_tokens_per_s"] == pytest.approx(rate)

@@ -4,7 +4,7 @@ sends count until reports can show them, and it stays bounded."""
 
 from __future__ import annotations
 
-from app.routing.prefix_index import PrefixIndex
+from app.routing.prefix_index import PrefixIndex, PrefixIndexes
 from replica.prefix_digest import KEY_BYTES
 
 
@@ -90,3 +90,20 @@ def test_memory_is_bounded() -> None:
     assert index.matched("a", list(range(950, 1000))) == 50  # the newest kept
     index.update("b", digest(*range(1000)))
     assert index.num_keys == 100 + 10
+
+
+def test_the_longest_prefix_over_the_pool() -> None:
+    index = PrefixIndex(clock=Clock())
+    assert index.longest([1, 2, 3]) == 0
+    index.update("a", digest(1))
+    index.note_sent("b", [1, 2])
+    assert index.longest([1, 2, 3]) == 2
+    index.retain(["a"])
+    assert index.longest([1, 2, 3]) == 1
+
+
+def test_one_index_per_pool_in_a_process() -> None:
+    indexes = PrefixIndexes()
+    assert indexes.get("decode") is None
+    assert indexes.pool("decode") is indexes.pool("decode") is indexes.get("decode")
+    assert indexes.pool("prefill") is not indexes.pool("decode")
