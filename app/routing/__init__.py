@@ -4,7 +4,7 @@
   pools and priority, short prompts prefilled on decode): `RouterPolicy.route`.
 - `adaptive`: a routed prompt prefilled locally when the prefill pool would be later.
 - `overflow`: a whole request sent to a prefill pool that serves whole requests while the
-  decode pool is busier.
+  decode pool is busier, or caches less of the request's history (`history`).
 - `fallback`: a degradable request moved to the fallback model's pool when it would be
   shed, its prefill pool's breaker is open, or its decode pool's queue is full.
 - `log`: the routing decisions an ingress replica made, for its report.

@@ -25,18 +25,8 @@ replica busier with prompts than `adaptive_prefill.decode_overflow_max_prompt_bu
 none: its streams' TPOT would more than double (the prefill-bound case, long-context load,
 where disaggregation pays and overflow would undo it; BENCHMARKS.md).
 
-A conversation follows its history. Each chat turn sends the whole history again, and the
-side that served the previous turn caches it: the decode replica (which then prefills only
-the new suffix itself, or receives only the blocks it lacks) or, after a turn served whole,
-the prefill replica. So before the load rule the ingress looks up how much of the prompt
-each side caches, in the prefix indexes its replica routers keep
-(`app/routing/prefix_index.py`, `shared`). A serving prefill pool caching more of it than the
-decode pool takes the request whole while its load is within the prefix margin of the
-decode pool's (`prefix_choice.within_margin`: 4 sequences, or half the smaller load); a
-decode pool caching more keeps the route while its load is within that margin of the least
-loaded candidate's. Past the margin the load rule decides, so one hot conversation cannot
-pin a replica. With the load rule alone, 22 of 96 later turns moved away from their history
-(BENCHMARKS.md, multi-turn).
+A conversation follows its history: the side caching more of the prompt takes it, within
+a load margin (`app/routing/history.py`), before the load rule below.
 
 That share is an average; what a new stream meets is the prompt being computed now. A whole
 request that lands while a long prompt computes waits for it (TTFT) and then stalls at every
@@ -89,12 +79,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import PDServeConfig, PoolConfig
-from app.routing import prefix_index
 from app.routing.adaptive import SentSince
+from app.routing.history import cached_tokens, follow_prefix, prompt_computes
 from app.routing.pool_router import RouteDecision
-from app.routing.prefix_choice import within_margin
 from replica.placement import PoolSnapshot, figure
-from replica.prefix_digest import prompt_block_keys
 
 MAX_PROMPT_BUSY = 0.95  # keeps the load finite for a replica that only computed prompts
 
@@ -133,33 +121,13 @@ def choose_overflow(
         return OverflowChoice(None, f"prefill pools {busy} busy with prompts: route stands")
     candidates = idle
     if (held := follow_prefix(decode, idle, cached or {}, decode_cached)) is not None:
-        return held
+        return OverflowChoice(held.pool, held.reason)
     pool, load = min(candidates.items(), key=lambda item: item[1])
     figures = f"decode load {decode:.1f} on decode vs {load:.1f} on {pool}"
     if decode > load and decode - load >= gap:  # a tie stays on decode, even at gap 0
         return OverflowChoice(pool, f"decode overflow: {figures} -> served whole on {pool}")
     need = f"above by {gap:g}" if gap else "above"
     return OverflowChoice(None, f"{figures}: decode not {need}, route stands")
-
-
-def follow_prefix(
-    decode: float, idle: Mapping[str, float], cached: Mapping[str, int], decode_cached: int
-) -> OverflowChoice | None:
-    """The side holding more of the prompt's history, while its load is within the prefix
-    margin of the other's (`prefix_choice.within_margin`, as the replica router credits a
-    cached prefix); None when neither holds more, or the holder is past the margin (the
-    load rule decides)."""
-    pool = max(idle, key=lambda p: cached.get(p, 0))
-    held = cached.get(pool, 0)
-    figures = f"{held} on {pool} vs {decode_cached} on decode"
-    loads = f"decode load {idle[pool]:.1f} on {pool} vs {decode:.1f} on decode"
-    if held > decode_cached and within_margin(idle[pool], decode):
-        why = f"prefix cached: {figures} tokens, {loads} -> served whole on {pool}"
-        return OverflowChoice(pool, why)
-    least = min(idle.values())
-    if decode_cached > held and within_margin(decode, least):
-        return OverflowChoice(None, f"prefix cached: {figures} tokens, {loads}: route stands")
-    return None
 
 
 class DecodeOverflow:
@@ -247,7 +215,7 @@ class DecodeOverflow:
         decode = self._load(route.decode_pool, now)
         choice = OverflowChoice(None, f"no recent load of decode pool {route.decode_pool}")
         pools = self._covering(num_prompt_tokens, tenant)
-        cached = self._cached(
+        cached = cached_tokens(
             [route.decode_pool, *pools, *filter(None, [route.prefill_pool])],
             prompt_token_ids,
             tenant,
@@ -262,25 +230,17 @@ class DecodeOverflow:
         computes: tuple[str, int] | None = None  # as the route says, with nothing cached
         if choice.pool is None:
             if any(cached.values()):
-                computes = self._computes(route, num_prompt_tokens, cached)
+                computes = prompt_computes(
+                    route.decode_pool,
+                    None if route.local_prefill else route.prefill_pool,
+                    num_prompt_tokens,
+                    cached,
+                    self._config.local_prefill_threshold,
+                )
             return self._stands(route, choice.reason, num_sequences, now, computes)
         if cached[choice.pool]:
             computes = (choice.pool, num_prompt_tokens - cached[choice.pool])
         return self._served_whole(route, choice.pool, choice.reason, num_sequences, now, computes)
-
-    def _computes(
-        self, route: RouteDecision, num_prompt_tokens: int, cached: Mapping[str, int]
-    ) -> tuple[str, int]:
-        """Where a standing route's prompt computes, and how many tokens: on the decode pool
-        what its cache lacks when that is local (the route's, or a suffix shorter than
-        `local_prefill_threshold`, which the decode replica computes itself:
-        `decode/server.py`), else on the prefill pool what its cache lacks."""
-        decode_cached = cached.get(route.decode_pool, 0)
-        suffix = num_prompt_tokens - decode_cached
-        short = decode_cached > 0 and suffix < self._config.local_prefill_threshold
-        if route.prefill_pool is None or route.local_prefill or short:
-            return route.decode_pool, suffix
-        return route.prefill_pool, num_prompt_tokens - cached.get(route.prefill_pool, 0)
 
     def _place_short(
         self,
@@ -361,25 +321,6 @@ class DecodeOverflow:
             if pool.name in allowed
             and pool.context_range[0] <= num_prompt_tokens <= pool.context_range[1]
         ]
-
-    def _cached(
-        self, pools: list[str], prompt_token_ids: Sequence[int], tenant: str
-    ) -> dict[str, int]:
-        """Tokens of the prompt's longest prefix cached on each pool's replicas, as this
-        process's replica routers know them (`prefix_index.shared`; 0 where none does)."""
-        cached = dict.fromkeys(pools, 0)
-        keys: dict[int, list[int]] = {}  # block size -> the prompt's block keys
-        for pool in pools:
-            index = prefix_index.shared.get(pool)
-            size = index.block_size if index is not None else None
-            if index is None or not size or len(prompt_token_ids) < size:
-                continue
-            if size not in keys:
-                keys[size] = prompt_block_keys(
-                    prompt_token_ids, size, tenant, prefix_index.MAX_PROMPT_BLOCKS
-                )
-            cached[pool] = index.longest(keys[size]) * size
-        return cached
 
     def _is_short(self, max_tokens: int | None) -> bool:
         """Whether the request asks for at most `serve_whole_max_output_tokens` new tokens."""
