@@ -12,8 +12,9 @@ replicas' digests and the routers' own sends), and:
   (`prefix_choice.within_margin`: 4 sequences, or half the smaller load);
 - a decode pool caching more keeps the route while its load is within that margin of the
   least loaded candidate's;
-- equal caches, or a holder past the margin, leave it to the load rule, so one hot
-  conversation cannot pin a replica.
+- a difference shorter than `local_prefill_threshold` (a prompt that short is cheap enough
+  to compute anywhere), or a holder past the margin, leave it to the load rule, so neither a
+  repeated short prompt nor one hot conversation can pin a replica.
 
 With the load rule alone, 22 of 96 later turns moved away from their history (BENCHMARKS.md,
 multi-turn). A route also says where its prompt will compute and how much of it
@@ -63,19 +64,25 @@ def cached_tokens(
 
 
 def follow_prefix(
-    decode: float, idle: Mapping[str, float], cached: Mapping[str, int], decode_cached: int
+    decode: float,
+    idle: Mapping[str, float],
+    cached: Mapping[str, int],
+    decode_cached: int,
+    min_tokens: int = 0,
 ) -> Held | None:
     """The side holding more of the prompt's history, given the decode load of the decode
     pool's least loaded replica (`decode`) and of each candidate pool's (`idle`), while its
-    load is within the prefix margin of the other's; None when neither holds more, or the
-    holder is past the margin (the load rule decides)."""
+    load is within the prefix margin of the other's; None when neither holds at least
+    `min_tokens` more (and at least one), or the holder is past the margin (the load rule
+    decides)."""
     pool = max(idle, key=lambda p: cached.get(p, 0))
     held = cached.get(pool, 0)
     figures = f"{held} on {pool} vs {decode_cached} on decode"
     loads = f"decode load {idle[pool]:.1f} on {pool} vs {decode:.1f} on decode"
-    if held > decode_cached and within_margin(idle[pool], decode):
+    least = max(min_tokens, 1)
+    if held - decode_cached >= least and within_margin(idle[pool], decode):
         return Held(pool, f"prefix cached: {figures} tokens, {loads} -> served whole on {pool}")
-    if decode_cached > held and within_margin(decode, min(idle.values())):
+    if decode_cached - held >= least and within_margin(decode, min(idle.values())):
         return Held(None, f"prefix cached: {figures} tokens, {loads}: route stands")
     return None
 

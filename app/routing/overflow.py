@@ -107,12 +107,14 @@ def choose_overflow(
     gap: float,
     cached: Mapping[str, int] | None = None,
     decode_cached: int = 0,
+    min_prefix_tokens: int = 0,
 ) -> OverflowChoice:
     """Where a request goes, from the decode load (`decode_load`) of the decode pool's least
     loaded replica (`decode`) and of each candidate pool's (`candidates`, in preference
     order; None: no replica of that pool is idle enough between prompts to take whole
     requests). `cached`: tokens of the prompt's longest prefix cached in each candidate pool,
-    `decode_cached` in the decode pool (`follow_prefix`)."""
+    `decode_cached` in the decode pool; a side caching at least `min_prefix_tokens` more
+    takes it within the prefix margin (`follow_prefix`)."""
     if not candidates:
         return OverflowChoice(None, "no prefill pool that serves decode has a recent load")
     idle = {pool: load for pool, load in candidates.items() if load is not None}
@@ -120,7 +122,8 @@ def choose_overflow(
         busy = ", ".join(candidates)
         return OverflowChoice(None, f"prefill pools {busy} busy with prompts: route stands")
     candidates = idle
-    if (held := follow_prefix(decode, idle, cached or {}, decode_cached)) is not None:
+    held = follow_prefix(decode, idle, cached or {}, decode_cached, min_prefix_tokens)
+    if held is not None:
         return OverflowChoice(held.pool, held.reason)
     pool, load = min(candidates.items(), key=lambda item: item[1])
     figures = f"decode load {decode:.1f} on decode vs {load:.1f} on {pool}"
@@ -226,7 +229,14 @@ class DecodeOverflow:
                 if seen := self._fresh(pool, now):
                     candidates[pool] = self._least(pool, seen, candidate=True)
             held = {pool: cached[pool] for pool in candidates}
-            choice = choose_overflow(decode, candidates, self._gap, held, cached[route.decode_pool])
+            choice = choose_overflow(
+                decode,
+                candidates,
+                self._gap,
+                held,
+                cached[route.decode_pool],
+                self._config.local_prefill_threshold,
+            )
         computes: tuple[str, int] | None = None  # as the route says, with nothing cached
         if choice.pool is None:
             if any(cached.values()):

@@ -95,6 +95,15 @@ def test_a_conversation_follows_the_side_caching_its_history() -> None:
     assert even.pool == "prefill" and even.reason.startswith("decode overflow")
 
 
+def test_a_prefix_shorter_than_the_local_prefill_threshold_is_not_followed() -> None:
+    """A repeated short prompt is cheap to compute anywhere: the load decides."""
+    cached = {"prefill": 0}
+    choice = choose_overflow(9.1, {"prefill": 7.1}, 2, cached, 16, min_prefix_tokens=32)
+    assert choice.pool == "prefill" and choice.reason.startswith("decode overflow")
+    kept = choose_overflow(9.1, {"prefill": 7.1}, 2, cached, 32, min_prefix_tokens=32)
+    assert kept.pool is None and kept.reason.startswith("prefix cached: 0 on prefill vs 32")
+
+
 def test_a_pool_busy_with_prompts_is_not_followed_for_its_prefix() -> None:
     choice = choose_overflow(1.0, {"prefill": None}, gap=0, cached={"prefill": 512})
     assert choice.pool is None and "busy with prompts" in choice.reason
@@ -310,7 +319,7 @@ def test_apply_serves_a_turn_where_its_history_is_cached(
     indexes: prefix_index.PrefixIndexes,
 ) -> None:
     history = list(range(100, 612))  # 32 blocks
-    turn = history + list(range(700, 764))
+    turn = history + list(range(700, 900))  # 200 new tokens
     cfg = config(local_prefill_threshold=128)  # a decode replica computes suffixes below
     loads = Loads()
     loads.publish("decode", 1)
@@ -325,19 +334,19 @@ def test_apply_serves_a_turn_where_its_history_is_cached(
     moved = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
     assert moved.decode_pool == "prefill" and moved.local_prefill
     assert "prefix cached: 512 on prefill vs 0 on decode tokens" in moved.reason
-    assert moved.computes == ("prefill", 64)  # only the new suffix computes there
+    assert moved.computes == ("prefill", 200)  # only the new suffix computes there
     # the decode pool caching more keeps the turn, though the prefill replica is idler
     loads.publish("decode", 3)
     loads.publish("prefill", 1)
     cache(indexes, "decode", turn, "")
     kept = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
     assert kept.decode_pool == "decode" and kept.prefill_pool == "prefill"
-    assert "prefix cached: 512 on prefill vs 576 on decode tokens" in kept.reason
-    # the decode replica holds it all: nothing of it counts as computing on the prefill pool
-    assert kept.computes == ("decode", 0)
+    assert "prefix cached: 512 on prefill vs 704 on decode tokens" in kept.reason
+    # the decode replica lacks 8 tokens: they compute there, nothing on the prefill pool
+    assert kept.computes == ("decode", 8)
     cache(indexes, "decode", [], "")  # evicted there: back to the replica holding most
     back = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
-    assert back.decode_pool == "prefill" and back.computes == ("prefill", 64)
+    assert back.decode_pool == "prefill" and back.computes == ("prefill", 200)
 
 
 def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
