@@ -12,9 +12,10 @@ replicas' digests and the routers' own sends), and:
   (`prefix_choice.within_margin`: 4 sequences, or half the smaller load);
 - a decode pool caching more keeps the route while its load is within that margin of the
   least loaded candidate's;
-- a difference shorter than `local_prefill_threshold` (a prompt that short is cheap enough
-  to compute anywhere), or a holder past the margin, leave it to the load rule, so neither a
-  repeated short prompt nor one hot conversation can pin a replica.
+- when what the other side lacks is shorter than `local_prefill_threshold` (cheap enough
+  to compute anywhere: a short prompt, or a turn both sides hold but for the last answer),
+  or the holder is past the margin, the load rule decides, so neither a repeated short
+  prompt nor one hot conversation can pin a replica.
 
 With the load rule alone, 22 of 96 later turns moved away from their history (BENCHMARKS.md,
 multi-turn). A route also says where its prompt will compute and how much of it
@@ -33,6 +34,18 @@ from dataclasses import dataclass
 from app.routing import prefix_index
 from app.routing.prefix_choice import within_margin
 from replica.prefix_digest import prompt_block_keys
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What each side caches of one prompt: `cached` tokens per candidate pool,
+    `decode_cached` on the decode pool, of `num_prompt_tokens`; `min_tokens`: the shortest
+    part the other side must lack for the holder to be followed (`local_prefill_threshold`)."""
+
+    cached: Mapping[str, int]
+    decode_cached: int
+    num_prompt_tokens: int
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,26 +76,23 @@ def cached_tokens(
     return cached
 
 
-def follow_prefix(
-    decode: float,
-    idle: Mapping[str, float],
-    cached: Mapping[str, int],
-    decode_cached: int,
-    min_tokens: int = 0,
-) -> Held | None:
-    """The side holding more of the prompt's history, given the decode load of the decode
-    pool's least loaded replica (`decode`) and of each candidate pool's (`idle`), while its
-    load is within the prefix margin of the other's; None when neither holds at least
-    `min_tokens` more (and at least one), or the holder is past the margin (the load rule
-    decides)."""
+def follow_prefix(decode: float, idle: Mapping[str, float], history: History) -> Held | None:
+    """The side holding more of the prompt, given the decode load of the decode pool's least
+    loaded replica (`decode`) and of each candidate pool's (`idle`), while its load is within
+    the prefix margin of the other's and the other lacks at least `history.min_tokens` of the
+    prompt; None otherwise (the load rule decides)."""
+    cached, decode_cached = history.cached, history.decode_cached
     pool = max(idle, key=lambda p: cached.get(p, 0))
     held = cached.get(pool, 0)
     figures = f"{held} on {pool} vs {decode_cached} on decode"
     loads = f"decode load {idle[pool]:.1f} on {pool} vs {decode:.1f} on decode"
-    least = max(min_tokens, 1)
-    if held - decode_cached >= least and within_margin(idle[pool], decode):
+
+    def worth(more: int, less: int) -> bool:
+        return more > less and history.num_prompt_tokens - less >= history.min_tokens
+
+    if worth(held, decode_cached) and within_margin(idle[pool], decode):
         return Held(pool, f"prefix cached: {figures} tokens, {loads} -> served whole on {pool}")
-    if decode_cached - held >= least and within_margin(decode, min(idle.values())):
+    if worth(decode_cached, held) and within_margin(decode, min(idle.values())):
         return Held(None, f"prefix cached: {figures} tokens, {loads}: route stands")
     return None
 

@@ -80,7 +80,7 @@ from typing import Any
 
 from app.config import PDServeConfig, PoolConfig
 from app.routing.adaptive import SentSince
-from app.routing.history import cached_tokens, follow_prefix, prompt_computes
+from app.routing.history import History, cached_tokens, follow_prefix, prompt_computes
 from app.routing.pool_router import RouteDecision
 from replica.placement import PoolSnapshot, figure
 
@@ -105,16 +105,13 @@ def choose_overflow(
     decode: float,
     candidates: Mapping[str, float | None],
     gap: float,
-    cached: Mapping[str, int] | None = None,
-    decode_cached: int = 0,
-    min_prefix_tokens: int = 0,
+    history: History | None = None,
 ) -> OverflowChoice:
     """Where a request goes, from the decode load (`decode_load`) of the decode pool's least
     loaded replica (`decode`) and of each candidate pool's (`candidates`, in preference
     order; None: no replica of that pool is idle enough between prompts to take whole
-    requests). `cached`: tokens of the prompt's longest prefix cached in each candidate pool,
-    `decode_cached` in the decode pool; a side caching at least `min_prefix_tokens` more
-    takes it within the prefix margin (`follow_prefix`)."""
+    requests). `history`: what each side caches of the prompt; the side holding more takes
+    it within the prefix margin (`follow_prefix`)."""
     if not candidates:
         return OverflowChoice(None, "no prefill pool that serves decode has a recent load")
     idle = {pool: load for pool, load in candidates.items() if load is not None}
@@ -122,7 +119,7 @@ def choose_overflow(
         busy = ", ".join(candidates)
         return OverflowChoice(None, f"prefill pools {busy} busy with prompts: route stands")
     candidates = idle
-    held = follow_prefix(decode, idle, cached or {}, decode_cached, min_prefix_tokens)
+    held = follow_prefix(decode, idle, history) if history is not None else None
     if held is not None:
         return OverflowChoice(held.pool, held.reason)
     pool, load = min(candidates.items(), key=lambda item: item[1])
@@ -228,15 +225,13 @@ class DecodeOverflow:
             for pool in pools:
                 if seen := self._fresh(pool, now):
                     candidates[pool] = self._least(pool, seen, candidate=True)
-            held = {pool: cached[pool] for pool in candidates}
-            choice = choose_overflow(
-                decode,
-                candidates,
-                self._gap,
-                held,
+            history = History(
+                {pool: cached[pool] for pool in candidates},
                 cached[route.decode_pool],
+                num_prompt_tokens,
                 self._config.local_prefill_threshold,
             )
+            choice = choose_overflow(decode, candidates, self._gap, history)
         computes: tuple[str, int] | None = None  # as the route says, with nothing cached
         if choice.pool is None:
             if any(cached.values()):

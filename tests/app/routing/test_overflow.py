@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from app.admission.controller import decode_pool_blocks
 from app.config import PDServeConfig
 from app.routing import prefix_index
+from app.routing.history import History
 from app.routing.overflow import DecodeOverflow, OverflowChoice, choose_overflow
 from app.routing.pool_router import RouteDecision
 from decode.server import DecodeServer
@@ -74,38 +75,46 @@ def test_pools_busy_with_prompts_are_no_candidates() -> None:
     assert choice == OverflowChoice(None, "prefill pools prefill busy with prompts: route stands")
 
 
+def history(prefill: int = 0, decode: int = 0, num_tokens: int = 600, least: int = 0) -> History:
+    return History({"prefill": prefill}, decode, num_tokens, least)
+
+
 def test_a_conversation_follows_the_side_caching_its_history() -> None:
     """Within the prefix margin (4 sequences, or half the smaller load) the side caching more
     of the prompt takes it, whichever the load rule would pick; past it the load decides."""
-    moved = choose_overflow(2.0, {"prefill": 5.0}, gap=0, cached={"prefill": 512})
+    moved = choose_overflow(2.0, {"prefill": 5.0}, 0, history(prefill=512))
     assert moved.pool == "prefill"
     assert moved.reason == (
         "prefix cached: 512 on prefill vs 0 on decode tokens, decode load 5.0 on prefill vs "
         "2.0 on decode -> served whole on prefill"
     )
-    stays = choose_overflow(5.0, {"prefill": 1.0}, gap=0, cached={"prefill": 16}, decode_cached=64)
+    stays = choose_overflow(5.0, {"prefill": 1.0}, 0, history(prefill=16, decode=64))
     assert stays.pool is None and stays.reason.endswith("route stands")
     assert stays.reason.startswith("prefix cached: 16 on prefill vs 64 on decode tokens")
     # past the margin: 2 + max(4, 1) = 6 < 6.5, and 20 > 10 + max(4, 5)
-    assert choose_overflow(2.0, {"prefill": 6.5}, gap=0, cached={"prefill": 512}).pool is None
-    past = choose_overflow(20.0, {"prefill": 10.0}, gap=0, decode_cached=512)
+    assert choose_overflow(2.0, {"prefill": 6.5}, 0, history(prefill=512)).pool is None
+    past = choose_overflow(20.0, {"prefill": 10.0}, 0, history(decode=512))
     assert past.pool == "prefill" and past.reason.startswith("decode overflow")
     # equal caches: the load rule
-    even = choose_overflow(3.0, {"prefill": 1.0}, gap=0, cached={"prefill": 64}, decode_cached=64)
+    even = choose_overflow(3.0, {"prefill": 1.0}, 0, history(prefill=64, decode=64))
     assert even.pool == "prefill" and even.reason.startswith("decode overflow")
 
 
-def test_a_prefix_shorter_than_the_local_prefill_threshold_is_not_followed() -> None:
-    """A repeated short prompt is cheap to compute anywhere: the load decides."""
-    cached = {"prefill": 0}
-    choice = choose_overflow(9.1, {"prefill": 7.1}, 2, cached, 16, min_prefix_tokens=32)
-    assert choice.pool == "prefill" and choice.reason.startswith("decode overflow")
-    kept = choose_overflow(9.1, {"prefill": 7.1}, 2, cached, 32, min_prefix_tokens=32)
-    assert kept.pool is None and kept.reason.startswith("prefix cached: 0 on prefill vs 32")
+def test_a_prefix_is_followed_only_when_the_other_side_lacks_much() -> None:
+    """What the other side lacks must be at least `local_prefill_threshold` tokens: a
+    repeated short prompt, or a turn both sides hold but for its last answer, is cheap to
+    compute anywhere, and the load decides."""
+    short = choose_overflow(9.1, {"prefill": 7.1}, 2, history(decode=16, num_tokens=18, least=32))
+    assert short.pool == "prefill" and short.reason.startswith("decode overflow")
+    answer = history(prefill=512, decode=544, num_tokens=608, least=128)  # 96 < 128 lacking
+    assert choose_overflow(9.1, {"prefill": 7.1}, 2, answer).pool == "prefill"
+    stale = history(prefill=704, decode=544, num_tokens=712, least=128)  # 168 lacking
+    followed = choose_overflow(2.0, {"prefill": 3.0}, 2, stale)
+    assert followed.pool == "prefill" and followed.reason.startswith("prefix cached")
 
 
 def test_a_pool_busy_with_prompts_is_not_followed_for_its_prefix() -> None:
-    choice = choose_overflow(1.0, {"prefill": None}, gap=0, cached={"prefill": 512})
+    choice = choose_overflow(1.0, {"prefill": None}, 0, history(prefill=512))
     assert choice.pool is None and "busy with prompts" in choice.reason
 
 
