@@ -104,6 +104,12 @@ class ModelSettings(_Strict):
         "KV head): GPUs on cuda (set each pool's num_gpus to it), worker processes on cpu. "
         "Shared by every pool, so KV moves from prefill rank i to decode rank i.",
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto",
+        description="auto: the checkpoint's weights. dummy: random weights of the model's "
+        "shape (seeded, the same in every replica; only config.json and a tokenizer are "
+        "read), for speed runs of a model without a checkpoint; outputs are noise.",
+    )
     enforce_eager: bool = Field(
         default=False, description="No CUDA graphs for decode steps (cuda, TP 1): all eager."
     )
@@ -158,6 +164,7 @@ class ModelSettings(_Strict):
             num_threads=sizes.num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
             quantization=self.quantization,
+            load_format=self.load_format,
             enforce_eager=self.enforce_eager,
             cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
         )

@@ -504,3 +504,18 @@ def test_h200_config_refuses_to_start_without_its_key_files() -> None:
     without_tenants = config.model_dump(mode="json") | {"tenants": [], "admin_api_keys_file": None}
     with pytest.raises(ValidationError, match="add tenants with API keys, or set allow_anonymous"):
         PDServeConfig.model_validate(without_tenants)
+
+
+def test_random_weights_for_speed_runs_reach_every_pool() -> None:
+    """`load_format: dummy` (the GPU serve check's Llama-3-8B shape) reaches each pool's
+    engine; anything else is refused."""
+    data = yaml.safe_load((CONFIGS / "gpu-single.yaml").read_text())["applications"][0]["args"]
+    assert {load_config(data).engine_config(p).load_format for p in load_config(data).pools} == {
+        "auto"
+    }
+    data["model"]["load_format"] = "dummy"
+    config = load_config(data)
+    assert {config.engine_config(p).load_format for p in config.pools} == {"dummy"}
+    data["model"]["load_format"] = "random"
+    with pytest.raises(ValidationError, match="load_format"):
+        load_config(data)
