@@ -63,7 +63,7 @@ def cached_tokens(
     this process's replica routers know them (0 where none does)."""
     cached = dict.fromkeys(pools, 0)
     keys: dict[int, list[int]] = {}  # block size -> the prompt's block keys
-    for pool in pools:
+    for pool in cached:  # each pool once
         index = prefix_index.shared.get(pool)
         size = index.block_size if index is not None else None
         if index is None or not size or len(prompt_token_ids) < size:

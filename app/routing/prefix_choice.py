@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.routing.prefix_index import PerPool
+
 SEQUENCE_MARGIN = 4
 SEQUENCE_MARGIN_FRACTION = 0.5
 MAX_CONVERSATIONS = 10_000  # per pool: first blocks remembered, oldest forgotten first
@@ -112,22 +114,15 @@ class PrefixRoutingStats:
             }
 
 
-class PrefixRoutingRegistry:
+class PrefixRoutingRegistry(PerPool[PrefixRoutingStats]):
     """pool (deployment) name -> its `PrefixRoutingStats`, for this process."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pools: dict[str, PrefixRoutingStats] = {}
-
-    def pool(self, name: str) -> PrefixRoutingStats:
-        with self._lock:
-            return self._pools.setdefault(name, PrefixRoutingStats())
+        super().__init__(PrefixRoutingStats)
 
     def report(self) -> dict[str, Any]:
         """Each pool this process routed to, by name."""
-        with self._lock:
-            pools = dict(self._pools)
-        return {name: stats.report() for name, stats in sorted(pools.items())}
+        return {name: stats.report() for name, stats in self.items()}
 
 
 # Process-global: Serve builds the routers, and the ingress's report reads what they chose.

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from replica.prefix_digest import DIGEST_MAX_BLOCKS, KEY_BYTES, decode_digest, matched_blocks
 
@@ -36,6 +36,8 @@ SENT_TTL_S = 10.0  # covers the report lag (stats period, digest refresh, Serve'
 # Blocks of a prompt hashed for a prefix lookup at most (32k tokens at 16 per block).
 MAX_PROMPT_BLOCKS = 2048
 MAX_SENT_KEYS = 65_536  # ~5 MiB at most; far above what ten seconds of sends name
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,23 +138,33 @@ class PrefixIndex:
             self._sent.popitem(last=False)
 
 
-class PrefixIndexes:
-    """pool (deployment) name -> its `PrefixIndex`, for this process."""
+class PerPool(Generic[T]):
+    """pool (deployment) name -> one `T` for this process, made by `factory` on first use;
+    thread-safe. What a process's replica routers share per pool: the prefix index (`shared`)
+    and the prefix-routing counts (`prefix_choice.prefix_routing`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
         self._lock = threading.Lock()
-        self._pools: dict[str, PrefixIndex] = {}
+        self._pools: dict[str, T] = {}
 
-    def pool(self, name: str) -> PrefixIndex:
-        """The pool's index, created on first use."""
+    def pool(self, name: str) -> T:
+        """The pool's `T`, created on first use."""
         with self._lock:
-            return self._pools.setdefault(name, PrefixIndex())
+            if name not in self._pools:
+                self._pools[name] = self._factory()
+            return self._pools[name]
 
-    def get(self, name: str) -> PrefixIndex | None:
-        """The pool's index; None while no router of it in this process has made one."""
+    def get(self, name: str) -> T | None:
+        """The pool's `T`; None while nothing in this process has asked for it."""
         with self._lock:
             return self._pools.get(name)
 
+    def items(self) -> list[tuple[str, T]]:
+        """Every pool's `T`, by name."""
+        with self._lock:
+            return sorted(self._pools.items())
+
 
 # Process-global: Serve builds the routers, and decode overflow reads what they know.
-shared = PrefixIndexes()
+shared: PerPool[PrefixIndex] = PerPool(PrefixIndex)

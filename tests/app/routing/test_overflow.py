@@ -310,14 +310,19 @@ def test_apply_keeps_the_route_while_decode_has_room() -> None:
 
 
 @pytest.fixture
-def indexes(monkeypatch: pytest.MonkeyPatch) -> prefix_index.PrefixIndexes:
+def indexes(monkeypatch: pytest.MonkeyPatch) -> prefix_index.PerPool[prefix_index.PrefixIndex]:
     """This process's prefix indexes, fresh for the test (the replica routers' view)."""
-    fresh = prefix_index.PrefixIndexes()
+    fresh = prefix_index.PerPool(prefix_index.PrefixIndex)
     monkeypatch.setattr(prefix_index, "shared", fresh)
     return fresh
 
 
-def cache(indexes: prefix_index.PrefixIndexes, pool: str, prompt: list[int], tenant: str) -> None:
+def cache(
+    indexes: prefix_index.PerPool[prefix_index.PrefixIndex],
+    pool: str,
+    prompt: list[int],
+    tenant: str,
+) -> None:
     """The pool's router saw a replica report `prompt`'s blocks for `tenant`."""
     keys = prompt_block_keys(prompt, 16, tenant)
     blob = b"".join(k.to_bytes(KEY_BYTES, "little") for k in keys)
@@ -325,7 +330,7 @@ def cache(indexes: prefix_index.PrefixIndexes, pool: str, prompt: list[int], ten
 
 
 def test_apply_serves_a_turn_where_its_history_is_cached(
-    indexes: prefix_index.PrefixIndexes,
+    indexes: prefix_index.PerPool[prefix_index.PrefixIndex],
 ) -> None:
     history = list(range(100, 612))  # 32 blocks
     turn = history + list(range(700, 900))  # 200 new tokens

@@ -4,7 +4,7 @@ sends count until reports can show them, and it stays bounded."""
 
 from __future__ import annotations
 
-from app.routing.prefix_index import PrefixIndex, PrefixIndexes
+from app.routing.prefix_index import PerPool, PrefixIndex
 from replica.prefix_digest import KEY_BYTES
 
 
@@ -103,7 +103,7 @@ def test_the_longest_prefix_over_the_pool() -> None:
 
 
 def test_one_index_per_pool_in_a_process() -> None:
-    indexes = PrefixIndexes()
+    indexes = PerPool(PrefixIndex)
     assert indexes.get("decode") is None
     assert indexes.pool("decode") is indexes.pool("decode") is indexes.get("decode")
     assert indexes.pool("prefill") is not indexes.pool("decode")
