@@ -1,13 +1,12 @@
 """RMSNorm (with the residual add before it), rotary embedding and the SiLU gate, as the
 decoder runs them.
 
-On the CPU the rotary (float32 and bfloat16) and the bfloat16 norm run as C kernels
-(`engine.kernels.cpu_elementwise`: one pass instead of five to eight ops; the rotary bit for
-bit the torch form), the float32 norm as the torch form below, which are also the
-references. On CUDA each is one Triton kernel (`engine.kernels.triton.norm_rope`): in an
-eager step the torch forms launch eight kernels per norm and six per rotary, about half of
-a step's kernels, and the host time to launch them set an eager step's pace (BENCHMARKS.md,
-the H200 profile).
+On the CPU each runs as a C kernel (`engine.kernels.cpu_elementwise`: one pass instead of
+five to eight ops; the rotary bit for bit the torch form, the norm and gate within an ulp or
+two of it); the torch forms below are the references. On CUDA each is one Triton kernel
+(`engine.kernels.triton.norm_rope`): in an eager step the torch forms launch eight kernels
+per norm and six per rotary, about half of a step's kernels, and the host time to launch
+them set an eager step's pace (BENCHMARKS.md, the H200 profile).
 
 Numerics follow `transformers`: the residual add and every product round to the model
 dtype where torch's would; the norm's statistic is taken in float32. The Triton rotary is
@@ -37,7 +36,7 @@ def rms_norm(
 
         _check_rows(x, weight, residual)
         return rms_norm_triton(x, weight, eps, residual)
-    if x.dtype == torch.bfloat16:
+    if x.device.type == "cpu":
         fused = add_rms_norm_cpu(x, weight, eps, residual)
         if fused is not None:
             return fused
@@ -96,8 +95,8 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a fused gate/up projection `[num_tokens, 2 * inter]` (gate the
-    first half); a C kernel for bfloat16 on the CPU, else the torch form."""
-    if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu":
+    first half); a C kernel on the CPU, else the torch form."""
+    if gate_up.device.type == "cpu":
         fused = silu_mul_cpu(gate_up)
         if fused is not None:
             return fused

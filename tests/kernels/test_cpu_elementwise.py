@@ -1,5 +1,5 @@
-"""The CPU C kernels of the norm, rotary and SiLU gate equal their torch forms (the rotary bit
-for bit), and the public functions pick them where they apply."""
+"""The CPU C kernels of the norm, rotary and SiLU gate equal their torch forms (bit for bit in
+float32 and for the rotary), and the public functions pick them where they apply."""
 
 from __future__ import annotations
 
@@ -71,14 +71,47 @@ def test_silu_mul_matches_the_torch_form(num_tokens: int) -> None:
     assert torch.equal(silu_and_mul(gate_up), out)
 
 
-def test_float32_norm_and_gate_stay_torch() -> None:
-    """float32 results must be transformers' bit for bit: the kernels decline them."""
-    torch.manual_seed(0)
-    x, weight = torch.randn(4, 64), torch.rand(64)
+x86 = pytest.mark.skipif(not cpu_elementwise._X86, reason="float32 follows torch's x86 order")
+
+
+@x86
+@pytest.mark.parametrize("hidden", [8, 17, 576, 1000, 4096, 5120])
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_float32_norm_is_torch_bit_for_bit(hidden: int, num_tokens: int) -> None:
+    """float32 results must be transformers' bit for bit: the sum of squares follows torch's
+    order (vectors, accumulators, cascade levels past 16 groups, scalar leftover)."""
+    torch.manual_seed(hidden + num_tokens)
+    x = torch.randn(num_tokens, hidden) * 3
+    residual = torch.randn(num_tokens, hidden) * 30
+    weight = torch.randn(hidden) * 0.1 + 1
+    for res, eps in ((None, 1e-6), (residual, 1e-5)):
+        fused = add_rms_norm_cpu(x, weight, eps, res)
+        assert fused is not None
+        expected = rms_norm_ref(x, weight, eps, res)
+        assert torch.equal(fused[0], expected[0]) and torch.equal(fused[1], expected[1])
+        assert torch.equal(rms_norm(x, weight, eps, res)[0], expected[0])
+
+
+@x86
+@pytest.mark.parametrize("inter", [64, 1536, 11008])
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_float32_gate_is_torch_bit_for_bit(inter: int, num_tokens: int) -> None:
+    torch.manual_seed(inter + num_tokens)
+    gate_up = torch.randn(num_tokens, 2 * inter) * 6
+    gate_up[0, :6] = torch.tensor([-200.0, 200.0, -104.5, 100.5, -90.0, 0.0])  # exp's edges
+    out = silu_mul_cpu(gate_up)
+    assert out is not None
+    assert torch.equal(out, silu_and_mul_ref(gate_up))
+    assert torch.equal(silu_and_mul(gate_up), out)
+
+
+def test_float32_shapes_the_kernels_leave_to_torch() -> None:
+    """Where bit-for-bit torch cannot be promised, the wrappers decline."""
+    x, weight = torch.randn(4, 7), torch.rand(7)  # under one 8-lane vector: torch's scalar sum
     assert add_rms_norm_cpu(x, weight, 1e-5, None) is None
-    assert silu_mul_cpu(torch.randn(4, 64)) is None
     assert torch.equal(rms_norm(x, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5)[0])
-    gate_up = torch.randn(4, 64)
+    gate_up = torch.randn(4, 2 * 40)  # 40 columns: torch's scalar tail would take some
+    assert silu_mul_cpu(gate_up) is None
     assert torch.equal(silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
 
 
