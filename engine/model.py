@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kernels import gemm_f32, paged_attention, write_kv_cache
+from engine.kernels.decode_layers import DecodeLayers
 from engine.kernels.linear import Packing, linear, linear_ref, pack_linear_weight, packing
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.norm_rope import apply_rope, rms_norm, silu_and_mul
@@ -264,6 +265,8 @@ class CausalLM(nn.Module):
         # Tied or not, the output projection gets its own transposed copy (see `Linear`).
         self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(config, dtype)
+        # The fused float32 decode path for the KV cache it was built for (`_fused_decode`)
+        self._decode_layers: tuple[KVCache, DecodeLayers | None] | None = None
 
     @torch.inference_mode()
     def forward(
@@ -276,6 +279,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self._embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary(positions)
+        fused = self._fused_decode(kv_cache) if layer_hook is None else None
+        if fused is not None and metadata.is_decode_only and not h.is_cuda:
+            h, residual_out = fused.run(h, cos, sin, metadata)  # bit for bit the loop below
+            return self.norm(h, residual_out)[0]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.key_caches[i], kv_cache.value_caches[i]
@@ -283,6 +290,13 @@ class CausalLM(nn.Module):
             if layer_hook is not None:
                 layer_hook(i)  # layer i's K/V for this step are in the cache now
         return self.norm(h, residual)[0]
+
+    def _fused_decode(self, kv_cache: KVCache) -> DecodeLayers | None:
+        """Every layer of a float32 CPU decode step in one C call, where it applies
+        (`engine.kernels.decode_layers`); built once per KV cache."""
+        if self._decode_layers is None or self._decode_layers[0] is not kv_cache:
+            self._decode_layers = (kv_cache, DecodeLayers.build(self, kv_cache))
+        return self._decode_layers[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -300,6 +314,7 @@ class CausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """After loading: projections move to the CPU's packed layout (`Linear.pack`)."""
+        self._decode_layers = None  # it holds the old weights' addresses
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
@@ -311,6 +326,7 @@ class CausalLM(nn.Module):
         `engine.quantization`); KV-cache scales are taken where the checkpoint has them."""
         quantized = self.config.quantization == "fp8"
         packed = [m for m in self.modules() if isinstance(m, Linear) and m.weight_t is None]
+        self._decode_layers = None  # it holds the old weights' addresses
         for module in packed:  # loaded again: dense while loading, packed again after
             module.unpack()
         state = dict(state_dict)

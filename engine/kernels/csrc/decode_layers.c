@@ -1,0 +1,99 @@
+/* C driver loaded by engine/kernels/decode_layers.py: every decoder layer of a float32 decode
+   step in one call, through the same C kernels the layer-by-layer path calls (their
+   addresses come in `pd_kernels`), in the same order, on the same buffers: the result is
+   bit for bit that path's. What it saves is the Python between the kernels. */
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { /* engine/kernels/csrc/decode_attention.c's argument block */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    const void* q;
+    int64_t q_seq_stride, q_head_stride;
+    const void* k_cache;
+    const void* v_cache;
+    const int64_t* block_tables;
+    int64_t table_stride;
+    const int64_t* seq_lens;
+    int64_t max_seq_len;
+    float scale;
+    void* out;
+} pd_decode_args;
+
+typedef void (*pd_gemm_fn)(int64_t M, int64_t K, int64_t N, const float* x, const float* wp,
+                           const float* bias, float* y, int threads);
+typedef void (*pd_norm_fn)(int64_t T, int64_t n, const float* x, int64_t ldx,
+                           const float* residual, int64_t ldr, const float* weight, float eps,
+                           float* out, float* sum_out);
+typedef void (*pd_rope_fn)(int64_t T, int64_t H, int64_t D, const float* x, int64_t ldx,
+                           const float* cos, const float* sin, float* out);
+typedef void (*pd_silu_fn)(int64_t T, int64_t inter, const float* gate_up, int64_t ld,
+                           float* out);
+typedef int (*pd_attn_fn)(const pd_decode_args* a, int num_threads);
+
+typedef struct {
+    pd_gemm_fn gemm;
+    pd_norm_fn norm;
+    pd_rope_fn rope;
+    pd_silu_fn silu;
+    pd_attn_fn attention;
+} pd_kernels;
+
+typedef struct { /* one layer's packed weights (biases NULL where none) and KV cache */
+    const float *input_norm, *post_norm;
+    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+} pd_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size;
+    float eps, scale;
+    const pd_layer* layers;
+} pd_model;
+
+typedef struct {
+    int64_t num_seqs; /* one token each */
+    float* h;         /* [T, hidden]: the embeddings in, the last layer's MLP output out */
+    float* residual;  /* [T, hidden]: the residual stream out */
+    const float *cos, *sin; /* [T, head_dim] */
+    const int64_t* slots;   /* [T] flat cache slot of each new token */
+    const int64_t* block_tables;
+    int64_t table_stride;
+    const int64_t* seq_lens;
+    int64_t max_seq_len;
+    /* scratch */
+    float *x, *qkv, *qk, *attn, *o, *gate_up, *act;
+    int threads;
+} pd_step;
+
+/* Returns 0, or the attention kernel's nonzero status (its scratch could not be had). */
+int pd_decode_layers(const pd_kernels* k, const pd_model* m, const pd_step* s) {
+    const int64_t T = s->num_seqs, hidden = m->hidden, D = m->head_dim;
+    const int64_t H = m->num_heads, KVH = m->num_kv_heads, inter = m->inter;
+    const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const pd_layer* L = &m->layers[l];
+        /* x, residual = input_layernorm(h, residual); the first layer adds nothing */
+        k->norm(T, hidden, s->h, hidden, l == 0 ? NULL : s->residual, hidden, L->input_norm,
+                m->eps, s->x, s->residual);
+        k->gemm(T, hidden, width, s->x, L->qkv, L->qkv_bias, s->qkv, s->threads);
+        k->rope(T, H + KVH, D, s->qkv, width, s->cos, s->sin, s->qk); /* q and k heads */
+        for (int64_t t = 0; t < T; t++) { /* the new token's K (rotated) and V */
+            memcpy(L->k_cache + s->slots[t] * kv_size, s->qk + t * (H + KVH) * D + q_size,
+                   (size_t)kv_size * sizeof(float));
+            memcpy(L->v_cache + s->slots[t] * kv_size, s->qkv + t * width + q_size + kv_size,
+                   (size_t)kv_size * sizeof(float));
+        }
+        pd_decode_args a = {T, H, KVH, D, m->block_size, s->qk, (H + KVH) * D, D,
+                            L->k_cache, L->v_cache, s->block_tables, s->table_stride,
+                            s->seq_lens, s->max_seq_len, m->scale, s->attn};
+        const int status = k->attention(&a, s->threads);
+        if (status != 0) return status;
+        k->gemm(T, q_size, hidden, s->attn, L->o, L->o_bias, s->o, s->threads);
+        k->norm(T, hidden, s->o, hidden, s->residual, hidden, L->post_norm, m->eps, s->x,
+                s->residual);
+        k->gemm(T, hidden, 2 * inter, s->x, L->gate_up, L->gate_up_bias, s->gate_up, s->threads);
+        k->silu(T, inter, s->gate_up, 2 * inter, s->act);
+        k->gemm(T, inter, hidden, s->act, L->down, L->down_bias, s->h, s->threads);
+    }
+    return 0;
+}

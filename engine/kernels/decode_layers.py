@@ -1,0 +1,268 @@
+"""Every decoder layer of a float32 decode step on the CPU in one C call.
+
+A decode step of the `small` model spent ~12 of its ~54 ms in Python between its C kernels:
+~15 calls per layer (module calls, wrappers' checks, views, the cache write's two
+`index_copy_`), each a few to tens of microseconds, against kernels that take 3-400 us.
+`DecodeLayers` keeps, for one model and one KV cache, the addresses of every layer's packed
+weights and cache (`pd_layer`), and `run` hands a step to a C driver
+(`csrc/decode_layers.c`) that calls the same kernels the layer-by-layer path calls:
+`gemm_f32`, the float32 norm, rotary and gate of `cpu_elementwise`, and `decode_attention`,
+in the same order on the same values. The output is bit for bit that path's
+(tests/kernels/test_decode_layers.py), which stays the reference and runs every step this
+one does not cover: prefill and mixed steps, tensor parallelism, FP8, bfloat16, a layer
+hook, or a kernel that is not built here (`DecodeLayers.build` returns None).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from engine.kernels import cpu_elementwise, gemm_f32
+from engine.kernels.decode_attention import _check_tables, _kernels
+from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.native import kernel_source, labelled, load_library
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
+    from engine.model import CausalLM, DecoderLayer, Linear
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_FLOAT = ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _PTR) for name in ("gemm", "norm", "rope", "silu", "attention")]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _PTR)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "gate_up",
+            "gate_up_bias",
+            "down",
+            "down_bias",
+            "k_cache",
+            "v_cache",
+        )
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[
+            (name, _I64)
+            for name in (
+                "num_layers",
+                "hidden",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "inter",
+                "block_size",
+            )
+        ],
+        ("eps", _FLOAT),
+        ("scale", _FLOAT),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("num_seqs", _I64),
+        ("h", _PTR),
+        ("residual", _PTR),
+        ("cos", _PTR),
+        ("sin", _PTR),
+        ("slots", _PTR),
+        ("block_tables", _PTR),
+        ("table_stride", _I64),
+        ("seq_lens", _PTR),
+        ("max_seq_len", _I64),
+        *[(name, _PTR) for name in ("x", "qkv", "qk", "attn", "o", "gate_up", "act")],
+        ("threads", ctypes.c_int),
+    ]
+
+
+@functools.cache
+def _driver() -> tuple[ctypes._CFuncPtr, _Kernels] | None:  # type: ignore[name-defined]
+    """The driver and the kernels it calls, or None where one of them is not built here."""
+    gemm = gemm_f32._kernel()
+    elementwise = cpu_elementwise._library()
+    attention = (_kernels() or {}).get(torch.float32)
+    if gemm is None or elementwise is None or attention is None:
+        return None
+    lib = load_library("decode_layers", kernel_source("decode_layers.c"))
+    if lib is None:
+        return None
+    fn = lib.pd_decode_layers
+    fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
+    fn.restype = ctypes.c_int
+
+    def address(f: ctypes._CFuncPtr) -> int | None:  # type: ignore[name-defined]
+        return ctypes.cast(f, _PTR).value
+
+    kernels = _Kernels(
+        address(gemm),
+        address(elementwise.pd_add_rms_norm_f32),
+        address(elementwise.pd_rope_f32),
+        address(elementwise.pd_silu_mul_f32),
+        address(attention),
+    )
+    return fn, kernels
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _layers(model: CausalLM) -> list[DecoderLayer]:
+    return [cast("DecoderLayer", layer) for layer in model.layers]
+
+
+def _projections(layer: DecoderLayer) -> list[Linear]:
+    """qkv, o, gate/up, down (as `Linear`: `build` checked them)."""
+    a, m = layer.self_attn, layer.mlp
+    return [cast("Linear", p) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+
+
+class DecodeLayers:
+    """One model's layers over one KV cache, for `run`; built by `build`."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache) -> None:
+        driver = _driver()
+        assert driver is not None
+        self._fn, self._kernels = driver
+        config = model.config
+        decoder = _layers(model)
+        first = decoder[0]
+        attn, mlp = first.self_attn, first.mlp
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.head_dim, self.inter = attn.head_dim, mlp.intermediate_size
+        self.hidden = config.hidden_size
+        self.kv_cache = kv_cache  # the tensors stay alive while their addresses are held
+        layers = (_Layer * len(decoder))()
+        for i, layer in enumerate(decoder):
+            layers[i] = _Layer(
+                _ptr(layer.input_layernorm.weight),
+                _ptr(layer.post_attention_layernorm.weight),
+                *(
+                    value
+                    for proj in _projections(layer)
+                    for value in (_ptr(proj.weight_packed), _ptr(proj.bias))
+                ),
+                kv_cache.key_caches[i].data_ptr(),
+                kv_cache.value_caches[i].data_ptr(),
+            )
+        self._layers = layers
+        self._model = _Model(
+            len(decoder),
+            self.hidden,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.inter,
+            kv_cache.spec.block_size,
+            first.input_layernorm.eps,
+            attn.scale,
+            layers,
+        )
+
+    @classmethod
+    def build(cls, model: CausalLM, kv_cache: KVCache) -> DecodeLayers | None:
+        """The fused path for this model and cache, or None where it does not apply (then
+        the layer-by-layer path runs, as it always may)."""
+        from engine.model import Linear
+
+        if _driver() is None or model.tp.size != 1 or not cpu_elementwise._X86:
+            return None
+        config = model.config
+        caches = [*kv_cache.key_caches, *kv_cache.value_caches]
+        if any(c.dtype != torch.float32 or not c.is_contiguous() or c.is_cuda for c in caches):
+            return None
+        decoder = _layers(model)
+        if config.hidden_size < 8 or decoder[0].mlp.intermediate_size % 16:
+            return None  # the norm and gate would leave these to torch (cpu_elementwise)
+        for layer in decoder:
+            a, m = layer.self_attn, layer.mlp
+            projections = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            if any(not isinstance(p, Linear) or p.packing != "f32" for p in projections):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                return None
+        return cls(model, kv_cache)
+
+    def run(
+        self,
+        h: torch.Tensor,  # [num_seqs, hidden] embeddings
+        cos: torch.Tensor,  # [num_seqs, 1, head_dim]
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream) of a decode-only step, as the
+        layers one by one would return them; the step's K/V land in the cache."""
+        num_seqs = h.shape[0]
+        spec = self.kv_cache.spec
+        _check_tables(
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.seq_lens_list,
+            num_seqs,
+            spec.num_blocks,
+            spec.block_size,
+        )
+        slots = metadata.slot_mapping
+        if slots.shape != (num_seqs,) or slots.dtype != torch.int64:
+            raise ValueError(f"slot_mapping must be [{num_seqs}] int64")
+        num_slots = spec.num_blocks * spec.block_size
+        if num_seqs and not 0 <= int(slots.min()) <= int(slots.max()) < num_slots:
+            raise IndexError(f"slot out of range [0, {num_slots})")
+        h = h.contiguous().clone()  # written in place
+        heads = self.num_heads + self.num_kv_heads
+        width = (heads + self.num_kv_heads) * self.head_dim
+
+        def scratch(*shape: int) -> torch.Tensor:
+            return torch.empty(num_seqs, *shape, dtype=torch.float32)
+
+        residual, x, o = scratch(self.hidden), scratch(self.hidden), scratch(self.hidden)
+        qkv, qk = scratch(width), scratch(heads, self.head_dim)
+        attn = scratch(self.num_heads * self.head_dim)
+        gate_up, act = scratch(2 * self.inter), scratch(self.inter)
+        cos = cos.reshape(num_seqs, self.head_dim).contiguous()
+        sin = sin.reshape(num_seqs, self.head_dim).contiguous()
+        slots = slots.contiguous()
+        step = _Step(
+            num_seqs,
+            h.data_ptr(),
+            residual.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            metadata.block_tables.data_ptr(),
+            metadata.block_tables.stride(0),
+            metadata.seq_lens.data_ptr(),
+            metadata.max_seq_len,
+            *(t.data_ptr() for t in (x, qkv, qk, attn, o, gate_up, act)),
+            torch.get_num_threads(),
+        )
+        if num_seqs:
+            with labelled("decode_layers"):
+                status = self._fn(
+                    ctypes.byref(self._kernels), ctypes.byref(self._model), ctypes.byref(step)
+                )
+            if status != 0:
+                raise MemoryError("decode attention could not allocate its scratch buffers")
+        return h, residual
