@@ -115,3 +115,13 @@ class AdaptivePrefillSettings(_Strict):
         "The default lets a few chat turns share the replica and keeps whole requests off it "
         "while a long document is prefilled (`app/routing/overflow.py`).",
     )
+    decode_overflow_max_prompt_ms: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="The same gate in time, where a replica has measured its prefill rate: "
+        "no whole request while the prompt tokens computing there would take longer than "
+        "this at that rate (what a new stream would wait, and stall once). 0 = off (the "
+        "token limit above). A time holds across models and machines where a token count "
+        "cannot: on the CPU the built-in `tiny` prefills ~20k tokens/s, `small` ~1k "
+        "(`app/routing/overflow.py`).",
+    )

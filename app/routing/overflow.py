@@ -37,7 +37,12 @@ of 157 when none did and 9 of 136 placed on the decode replica at such moments
 `adaptive_prefill.decode_overflow_max_prompt_tokens` prompt tokens compute there per replica:
 the ones this ingress sent (from the send until the request's first output comes back, which
 is exact and immediate) or, for each replica, the ones it reports queued (other ingress
-replicas' too, a stats period late).
+replicas' too, a stats period late). With `adaptive_prefill.decode_overflow_max_prompt_ms`
+the gate is in time where the replica has measured its prefill rate: those tokens at that
+rate must take at most that long. A count cannot fit every model: on 2 cores 256 tokens are
+~13 ms of `tiny`'s prompt work and ~250 ms of `small`'s, and a multi-turn load whose
+first turns (513 tokens, ~26 ms on `tiny`) closed the token gate kept most whole requests
+on the decode replica at its busiest (BENCHMARKS.md, multi-turn).
 
 Short outputs (`adaptive_prefill.serve_whole_max_output_tokens`, 0 = off): a request
 asking for at most that many new tokens is placed as two colocated replicas would place it,
@@ -151,6 +156,7 @@ class DecodeOverflow:
         self._sent = SentSince()
         self._running: Counter[str] = Counter()  # pool -> this replica's sequences there
         self._max_prompt_tokens = config.adaptive_prefill.decode_overflow_max_prompt_tokens
+        self._max_prompt_s = config.adaptive_prefill.decode_overflow_max_prompt_ms / 1000.0
         self._prompts: Counter[str] = Counter()  # pool -> prompt tokens computing there
         self._max_whole_output = config.adaptive_prefill.serve_whole_max_output_tokens
         self._ties = 0  # short outputs placed among tied pools, which take them in turn
@@ -377,16 +383,27 @@ class DecodeOverflow:
         ingress sent since the snapshot, and at least those it has running there (both
         spread over its replicas). As an overflow `candidate`, only replicas at most
         `decode_overflow_max_prompt_busy` busy with prompts and with at most
-        `decode_overflow_max_prompt_tokens` computing count (None when none does)."""
-        if candidate and self.computing(pool) / len(snapshot.replicas) > self._max_prompt_tokens:
-            return None
+        `decode_overflow_max_prompt_tokens` (or ms, `_prompt_room`) computing count (None
+        when none does)."""
+        if candidate:
+            rates = [figure(s, "prefill_tokens_per_s") for s in snapshot.replicas.values()]
+            if not self._prompt_room(self.computing(pool) / len(rates), min(rates)):
+                return None
         loads = [
             decode_load(sequences, figure(s, "prompt_busy"))
             for s, sequences in self._sequences(pool, snapshot)
             if not candidate
             or (
                 figure(s, "prompt_busy") <= self._max_prompt_busy
-                and figure(s, "queued_tokens") <= self._max_prompt_tokens
+                and self._prompt_room(figure(s, "queued_tokens"), figure(s, "prefill_tokens_per_s"))
             )
         ]
         return min(loads) if loads else None
+
+    def _prompt_room(self, tokens: float, tokens_per_s: float) -> bool:
+        """Whether a replica computing `tokens` of prompts (at its measured `tokens_per_s`,
+        0 when not measured) can take a whole request: in time where the rate is known and
+        the time gate is on, else by the token count."""
+        if self._max_prompt_s > 0 and tokens_per_s > 0:
+            return tokens / tokens_per_s <= self._max_prompt_s
+        return tokens <= self._max_prompt_tokens

@@ -142,10 +142,20 @@ class Loads:
         self.age = 0.0
 
     def publish(
-        self, pool: str, *sequences: int, prompt_busy: float = 0.0, queued_tokens: int = 0
+        self,
+        pool: str,
+        *sequences: int,
+        prompt_busy: float = 0.0,
+        queued_tokens: int = 0,
+        prefill_tokens_per_s: float = 0.0,
     ) -> None:
         stats = [
-            {"num_sequences": n, "prompt_busy": prompt_busy, "queued_tokens": queued_tokens}
+            {
+                "num_sequences": n,
+                "prompt_busy": prompt_busy,
+                "queued_tokens": queued_tokens,
+                "prefill_tokens_per_s": prefill_tokens_per_s,
+            }
             for n in sequences
         ]
         self.view.update(pool, [(f"{pool}-{i}", s) for i, s in enumerate(stats)])
@@ -444,6 +454,33 @@ def test_the_prompt_token_limit_is_configurable() -> None:
     assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
     with pytest.raises(ValidationError, match="decode_overflow_max_prompt_tokens"):
         config(adaptive_prefill={"decode_overflow_max_prompt_tokens": -1})
+
+
+def test_the_prompt_gate_in_time_where_the_rate_is_measured() -> None:
+    """With `decode_overflow_max_prompt_ms` the gate is the time the prompts computing there
+    take at the replica's measured rate: at 20k tokens/s and 50 ms, a 513-token first turn
+    (26 ms) leaves room and a 2,048-token document (102 ms) does not; a replica that has
+    not measured its rate keeps the token limit."""
+    cfg = config(adaptive_prefill={"decode_overflow_max_prompt_ms": 50})
+    loads = Loads()
+    loads.publish("decode", 6)
+    loads.publish("prefill", 0, prefill_tokens_per_s=20_000.0)
+    overflow = loads.overflow(cfg)
+    overflow.prompt_started("prefill", 513)  # over the 256-token limit, within 50 ms
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    overflow.prompt_started("prefill", 1535)  # 2,048 tokens: 102 ms
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+    overflow.prompt_computed("prefill", 2048)
+    loads.publish("prefill", 0, queued_tokens=900, prefill_tokens_per_s=20_000.0)  # 45 ms
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    loads.publish("prefill", 0, queued_tokens=1100, prefill_tokens_per_s=20_000.0)  # 55 ms
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+    loads.publish("prefill", 0, queued_tokens=300)  # no rate measured: 300 > 256 tokens
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+    loads.publish("prefill", 0, queued_tokens=300, prefill_tokens_per_s=1_000.0)  # 300 ms
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"
+    with pytest.raises(ValidationError, match="decode_overflow_max_prompt_ms"):
+        config(adaptive_prefill={"decode_overflow_max_prompt_ms": -1})
 
 
 def test_time_spent_on_prompts_weighs_on_either_side() -> None:
