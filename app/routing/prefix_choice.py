@@ -13,7 +13,12 @@ loaded replica's (`SEQUENCE_MARGIN`, or `SEQUENCE_MARGIN_FRACTION` of the least,
 is more): a prefix every request shares (a system prompt, a hot document) would otherwise
 draw the whole pool's traffic onto the first replica that cached it. Past the margin the
 request goes where the load says, which caches the prefix there too. With no prefix cached
-anywhere the order is the load order, exactly.
+anywhere the order is the load order; between replicas equally loaded (queued tokens and
+sequences) the one holding fewer conversations (distinct first blocks this process last sent
+there) comes first, then the one with more free KV blocks. A new conversation's first turn
+has no prefix anywhere, and later turns follow it, so where first turns land decides the
+split; by load alone, at a moment when both replicas were idle between turns, 13 of 17
+conversations of a `bench multiturn` run landed on one of two replicas.
 
 `PrefixRoutingStats` counts the choices per pool, in this process, for the ingress's stats
 report (`GET /v1/pdserve/stats`, `routing.prefix`): requests routed, those with a prefix
@@ -43,6 +48,7 @@ class Candidate:
     load: tuple[float, float, float]  # queued prompt tokens, sequences, -free KV blocks
     matched_tokens: int  # tokens of the prompt's longest prefix cached there
     tiebreak: float = 0.0  # random: equal replicas share the load
+    conversations: int = 0  # conversations last sent there (`PrefixRoutingStats.held`)
 
 
 def within_margin(sequences: float, least: float) -> bool:
@@ -64,10 +70,10 @@ def prefix_order(candidates: Sequence[Candidate]) -> list[int]:
         return []
     least = min(c.load[1] for c in candidates)
 
-    def key(i: int) -> tuple[float, float, float, float]:
+    def key(i: int) -> tuple[float, float, int, float, float]:
         c = candidates[i]
         tokens, sequences, free = c.load
-        return tokens - prefix_credit(c, least), sequences, free, c.tiebreak
+        return tokens - prefix_credit(c, least), sequences, c.conversations, free, c.tiebreak
 
     return sorted(range(len(candidates)), key=key)
 
@@ -82,6 +88,7 @@ class PrefixRoutingStats:
         self.counts: Counter[str] = Counter()
         self._routed: Counter[str] = Counter()
         self._conversations: OrderedDict[int, str] = OrderedDict()  # first block -> replica
+        self._held: Counter[str] = Counter()  # replica -> conversations last sent there
 
     def record(self, chosen: str, matched: int, best: int, first_key: int | None) -> None:
         """A call went to `chosen`, which caches `matched` leading blocks of its prompt where
@@ -93,16 +100,26 @@ class PrefixRoutingStats:
                 self.counts["prefix_cached"] += 1
                 self.counts["hit" if matched >= best else "moved_for_load"] += 1
             if first_key is not None:
+                previous = self._conversations.get(first_key)
+                if previous is not None:
+                    self._held[previous] -= 1
                 self._conversations[first_key] = chosen
+                self._held[chosen] += 1
                 self._conversations.move_to_end(first_key)
                 while len(self._conversations) > self._max_conversations:
-                    self._conversations.popitem(last=False)
+                    _, replica = self._conversations.popitem(last=False)
+                    self._held[replica] -= 1
+
+    def held(self, replica: str) -> int:
+        """The conversations (distinct first blocks) last sent to `replica`."""
+        with self._lock:
+            return self._held[replica]
 
     def report(self) -> dict[str, Any]:
         """Counts, the hit rate over calls with a prefix cached somewhere, and per replica the
         calls routed and conversations last sent there."""
         with self._lock:
-            conversations = Counter(self._conversations.values())
+            conversations = self._held
             cached = self.counts["prefix_cached"]
             return {
                 **{k: self.counts[k] for k in ("routed", "prefix_cached", "hit", "moved_for_load")},

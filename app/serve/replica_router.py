@@ -262,11 +262,13 @@ class KVAwareRouter(RequestRouter):
         index = self.prefix_index
         matched = [index.matched(replica_name(r), keys) for r in replicas]
         block_size = index.block_size or 0
+        choices = prefix_choice.prefix_routing.pool(self._deployment_id.name)
         candidates = [
             Candidate(
                 replica_load(r.routing_stats, self.in_flight.load(r.replica_id.unique_id)),
                 matched[i] * block_size,
                 random.random(),
+                choices.held(replica_name(r)),
             )
             for i, r in enumerate(replicas)
         ]

@@ -76,7 +76,25 @@ def test_stats_count_hits_and_conversations_per_replica() -> None:
     }
     stats.record("a", matched=0, best=0, first_key=4)  # bounded: the oldest (1) forgotten
     assert stats.report()["replicas"]["a"]["conversations"] == 1
+    assert (stats.held("a"), stats.held("b"), stats.held("c")) == (1, 2, 0)
+    stats.record("a", matched=0, best=2, first_key=2)  # conversation 2 moved from b to a
+    assert (stats.held("a"), stats.held("b")) == (2, 1)
     assert PrefixRoutingStats().report()["hit_rate"] is None
+
+
+def test_equally_loaded_replicas_take_new_conversations_in_turn() -> None:
+    """A first turn (no prefix anywhere) between replicas equally loaded goes to the one
+    holding fewer conversations, before free KV blocks; the load still comes first."""
+    busy_but_empty = Candidate((0, 1, -10), 0, conversations=0)
+    assert prefix_order([Candidate((0, 0, -5), 0, conversations=9), busy_but_empty]) == [0, 1]
+    fewer = Candidate((0, 0, -5), 0, conversations=2)
+    more = Candidate((0, 0, -50), 0, conversations=3)
+    assert prefix_order([more, fewer]) == [1, 0]
+    stats = PrefixRoutingStats()
+    for conversation in range(17):  # first turns arriving while both replicas idle
+        candidates = [Candidate((0, 0, 0), 0, 0.5, stats.held(name)) for name in "ab"]
+        stats.record("ab"[prefix_order(candidates)[0]], 0, 0, first_key=conversation)
+    assert sorted((stats.held("a"), stats.held("b"))) == [8, 9]
 
 
 def test_the_registry_reports_each_pool() -> None:
