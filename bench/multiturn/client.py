@@ -9,16 +9,13 @@ tokens the server cached exactly, as a chat client resending the same history do
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from bench.serve.sse import sse_lines
-
-COMPLETIONS = "/v1/completions"
+from bench.serve.sse import stream_completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,37 +96,21 @@ async def send_turn(
         "stream_options": {"include_usage": True},
     }
     record.start_s = time.perf_counter() - t0
-    parts: list[str] = []
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", COMPLETIONS, json=body) as response:
-                record.route = response.headers.get("x-pdserve-route")
-                if response.status_code != 200:
-                    raw = (await response.aread()).decode(errors="replace")
-                    record.error = f"HTTP {response.status_code}: {raw[:300]}"
-                    return record
-                async for line in sse_lines(response):
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        record.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                        return record
-                    if chunk.get("choices"):
-                        now = time.perf_counter() - t0
-                        record.first_token_s = record.first_token_s or now
-                        record.chunk_times_s.append(now)
-                        parts += [c.get("text") or "" for c in chunk["choices"]]
-                    if usage := chunk.get("usage"):
-                        record.output_tokens = int(usage.get("completion_tokens") or 0)
-                        record.cached_tokens, record.transferred_tokens = usage_figures(usage)
-        record.end_s = time.perf_counter() - t0
-    except (TimeoutError, httpx.HTTPError, json.JSONDecodeError) as exc:
+            streamed = await stream_completion(client, body, t0)
+    except TimeoutError as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:300]
         return record
+    record.route, record.error = streamed.route, streamed.error
+    record.first_token_s, record.chunk_times_s = streamed.first_token_s, streamed.chunk_times_s
+    if streamed.usage is not None:
+        record.output_tokens = int(streamed.usage.get("completion_tokens") or 0)
+        record.cached_tokens, record.transferred_tokens = usage_figures(streamed.usage)
+    if record.error is not None:
+        return record
+    record.end_s = streamed.end_s
+    parts = streamed.texts
     record.text = "".join(parts)
     record.output_tokens = record.output_tokens or len(record.chunk_times_s)
     if not record.chunk_times_s:

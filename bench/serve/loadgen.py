@@ -41,7 +41,7 @@ from bench.serve.metrics import (
     summarize,
 )
 from bench.serve.server_report import add_server_args, fetch_stats, print_server_side, server_side
-from bench.serve.sse import sse_lines
+from bench.serve.sse import stream_completion
 from bench.serve.workloads import (
     ScheduledRequest,
     add_workload_args,
@@ -49,7 +49,6 @@ from bench.serve.workloads import (
     requests_from_args,
 )
 
-COMPLETIONS = "/v1/completions"
 logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
 
 
@@ -115,37 +114,13 @@ async def _send(
         arrival_s=request.arrival_s,
         start_s=time.perf_counter() - t0,
     )
-    usage: dict[str, Any] | None = None
-    try:
-        async with client.stream(
-            "POST", COMPLETIONS, json=body, headers=target.headers()
-        ) as response:
-            record.route = response.headers.get("x-pdserve-route")
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:300]}"
-                return record
-            async for line in sse_lines(response):
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter() - t0
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                    return record
-                if chunk.get("choices"):
-                    if record.first_token_s is None:
-                        record.first_token_s = now
-                    record.chunk_times_s.append(now)
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-        record.end_s = time.perf_counter() - t0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    streamed = await stream_completion(client, body, t0, target.headers())
+    record.route, record.error = streamed.route, streamed.error
+    record.first_token_s, record.chunk_times_s = streamed.first_token_s, streamed.chunk_times_s
+    if record.error is not None:
         return record
+    record.end_s = streamed.end_s
+    usage = streamed.usage
     if usage is not None:
         record.prompt_tokens = usage.get("prompt_tokens")
         record.output_tokens = int(usage.get("completion_tokens") or 0)

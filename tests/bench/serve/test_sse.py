@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from bench.serve.sse import LineSplitter, sse_lines
+from bench.serve.sse import LineSplitter, Streamed, sse_lines, stream_completion
 
 TEXT = "a\u2028b\u2029c\x85d\x0be"  # str.splitlines would cut this four times
 
@@ -48,3 +48,49 @@ def test_sse_lines_of_a_streamed_response() -> None:
     assert lines == [event, "", "data: [DONE]", ""]
     data = json.loads(lines[0].removeprefix("data: "))
     assert data["choices"][0]["text"] == TEXT
+
+
+def streamed(handler: httpx.MockTransport) -> Streamed:
+    async def run() -> Streamed:
+        async with httpx.AsyncClient(transport=handler, base_url="http://server") as client:
+            return await stream_completion(client, {"model": "m", "prompt": "p"}, 0.0)
+
+    return asyncio.run(run())
+
+
+def test_a_streamed_completion_is_timed_chunk_by_chunk() -> None:
+    events = [
+        {"choices": [{"index": 0, "text": "a\u2028"}]},
+        {"choices": [{"index": 0, "text": "b"}]},
+        {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}},
+    ]
+    payload = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events)
+    seen: list[dict[str, object]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        body = (payload + "data: [DONE]\n\n").encode()
+        return httpx.Response(200, content=body, headers={"x-pdserve-route": "decode"})
+
+    out = streamed(httpx.MockTransport(handle))
+    assert seen == [{"model": "m", "prompt": "p"}] and out.error is None
+    assert out.texts == ["a\u2028", "b"] and len(out.chunk_times_s) == 2
+    assert out.first_token_s == out.chunk_times_s[0] and out.end_s is not None
+    assert out.usage == {"prompt_tokens": 1, "completion_tokens": 2}
+    assert out.route == "decode"
+
+
+def test_a_failed_completion_says_why_and_never_raises() -> None:
+    out = streamed(httpx.MockTransport(lambda r: httpx.Response(429, text="slow down")))
+    assert out.error == "HTTP 429: slow down" and not out.chunk_times_s
+    error_event = 'data: {"error": {"message": "boom", "code": 500}}\n\n'
+    out = streamed(httpx.MockTransport(lambda r: httpx.Response(200, text=error_event)))
+    assert out.error is not None and out.error.startswith("stream error:") and "boom" in out.error
+    out = streamed(httpx.MockTransport(lambda r: httpx.Response(200, text="data: {bad\n\n")))
+    assert out.error is not None and out.error.startswith("JSONDecodeError")
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    out = streamed(httpx.MockTransport(refuse))
+    assert out.error is not None and out.error.startswith("ConnectError")
