@@ -174,6 +174,10 @@ def test_replica_load_orders() -> None:
     assert replica_load(stats, (0, 0)) == (50.0, 2.0, -7.0)
     assert replica_load(stats, (5, 20)) == (50.0, 5.0, -7.0)
     assert replica_load({}, (1, 900)) == (900.0, 1.0, -0.0)
+    # in whole blocks: the token a handed-off request leaves a decode replica is no queue
+    assert replica_load(stats, (0, 0), block_size=16) == (48.0, 2.0, -7.0)
+    one_token = {"queued_tokens": 1, "num_sequences": 1, "num_free_blocks": 7}
+    assert replica_load(one_token, (0, 0), block_size=16) < replica_load({}, (3, 0), 16)
 
 
 def test_in_flight_ledger_is_exact_and_bounded() -> None:
