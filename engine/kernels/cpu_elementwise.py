@@ -116,7 +116,7 @@ def add_rms_norm_cpu(
     lib = _library()
     if lib is None or x.dtype not in _FLOATS or not _rows_ok(x):
         return None
-    if x.dtype == torch.float32 and (not _X86 or x.shape[1] < 8):  # torch's x86 sum order
+    if x.dtype == torch.float32 and not exact_float32_norm(x.shape[1]):
         return None
     if weight.dtype != x.dtype or not weight.is_contiguous() or weight.shape != x.shape[1:]:
         return None
@@ -137,10 +137,16 @@ def add_rms_norm_cpu(
     return out, summed
 
 
-def _exact_silu(gate_up: torch.Tensor) -> bool:
-    """Whether the float32 kernel is torch's silu bit for bit here: on x86, with no element
-    in torch's scalar tail (`inter` a multiple of the widest vector)."""
-    return _X86 and (gate_up.shape[1] // 2) % 16 == 0
+def exact_float32_norm(hidden: int) -> bool:
+    """Whether the float32 norm of `hidden`-wide rows runs here bit for bit torch's: on x86,
+    with at least one 8-lane vector (narrower rows take torch's scalar sum)."""
+    return _X86 and hidden >= 8
+
+
+def exact_float32_gate(inter: int) -> bool:
+    """Whether the float32 gate of `inter` columns runs here bit for bit torch's: on x86,
+    with no element in torch's scalar tail (`inter` a multiple of the widest vector)."""
+    return _X86 and inter % 16 == 0
 
 
 def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -149,7 +155,9 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor | None:
     lib = _library()
     if lib is None or gate_up.dtype not in _FLOATS or not _rows_ok(gate_up):
         return None
-    if gate_up.shape[1] % 2 or (gate_up.dtype == torch.float32 and not _exact_silu(gate_up)):
+    if gate_up.shape[1] % 2 or (
+        gate_up.dtype == torch.float32 and not exact_float32_gate(gate_up.shape[1] // 2)
+    ):
         return None
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)

@@ -186,18 +186,19 @@ class DecodeLayers:
         the layer-by-layer path runs, as it always may)."""
         from engine.model import Linear
 
-        if _driver() is None or model.tp.size != 1 or not cpu_elementwise._X86:
+        if _driver() is None or model.tp.size != 1:
             return None
-        config = model.config
         caches = [*kv_cache.key_caches, *kv_cache.value_caches]
         if any(c.dtype != torch.float32 or not c.is_contiguous() or c.is_cuda for c in caches):
             return None
         decoder = _layers(model)
-        if config.hidden_size < 8 or decoder[0].mlp.intermediate_size % 16:
-            return None  # the norm and gate would leave these to torch (cpu_elementwise)
+        # the same rule as the layer path's norm and gate: where they run torch, so must this
+        if not cpu_elementwise.exact_float32_norm(model.config.hidden_size):
+            return None
+        if not cpu_elementwise.exact_float32_gate(decoder[0].mlp.intermediate_size):
+            return None
         for layer in decoder:
-            a, m = layer.self_attn, layer.mlp
-            projections = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+            projections = _projections(layer)  # checked here: the cast is for the type only
             if any(not isinstance(p, Linear) or p.packing != "f32" for p in projections):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
