@@ -2,8 +2,9 @@
 decoder runs them.
 
 On the CPU each runs as a C kernel (`engine.kernels.cpu_elementwise`: one pass instead of
-five to eight ops; the rotary bit for bit the torch form, the norm and gate within an ulp or
-two of it); the torch forms below are the references. On CUDA each is one Triton kernel
+five to eight ops; the rotary, and in float32 the norm and gate, bit for bit the torch
+forms, the bfloat16 norm and gate within an ulp or two); the torch forms below are the
+references. On CUDA each is one Triton kernel
 (`engine.kernels.triton.norm_rope`): in an eager step the torch forms launch eight kernels
 per norm and six per rotary, about half of a step's kernels, and the host time to launch
 them set an eager step's pace (BENCHMARKS.md, the H200 profile).
