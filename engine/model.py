@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.kernels import gemm_f32, paged_attention, write_kv_cache
+from engine.kernels import gemm_bf16, gemm_f32, paged_attention, write_kv_cache
 from engine.kernels.decode_layers import DecodeLayers
 from engine.kernels.linear import Packing, linear, linear_ref, pack_linear_weight, packing
 from engine.kernels.metadata import AttentionMetadata
@@ -92,7 +92,8 @@ class Linear(nn.Module):
 
     On the CPU `pack()` then moves the weight into the packed layout `engine.kernels.linear`
     picks for it (`packing`): float32 goes to the C GEMM's column blocks
-    (`engine.kernels.gemm_f32`), bfloat16 to oneDNN's blocked layout. `weight_packed`
+    (`engine.kernels.gemm_f32`), bfloat16 to the AMX GEMM's tiles (`engine.kernels.gemm_bf16`)
+    or, without AMX, oneDNN's blocked layout. `weight_packed`
     replaces `weight_t` (the same bytes, give or take one block's padding). Elsewhere
     `x @ weight_t` runs: cuBLAS takes either layout, and MKL's GEMM for a decode step's few
     rows is 4-5x faster on `[in, out]` than on `nn.Linear`'s `[out, in]` (and bit-identical).
@@ -108,11 +109,19 @@ class Linear(nn.Module):
         self.weight_packed = None
         self.packing: Packing | None = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.bias_f32: torch.Tensor | None = None  # "amx": the bias as the GEMM adds it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [.., out]
         if self.packing == "f32":
             assert self.weight_packed is not None
             return gemm_f32.gemm(x, self.weight_packed, self.out_features, self.bias)
+        if self.packing == "amx":
+            assert self.weight_packed is not None
+            out = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+            y = gemm_bf16.gemm(
+                x.to(torch.bfloat16), self.weight_packed, self.out_features, self.bias_f32, out
+            )
+            return y.to(x.dtype)
         if self.packing == "onednn":
             assert self.weight_packed is not None
             return linear(x, self.weight_packed, self.bias)
@@ -126,7 +135,15 @@ class Linear(nn.Module):
             return
         assert self.weight_t is not None
         weight_t = self.weight_t.detach()
-        packed = gemm_f32.pack(weight_t) if kind == "f32" else pack_linear_weight(weight_t)
+        packed: torch.Tensor | None
+        if kind == "f32":
+            packed = gemm_f32.pack(weight_t)
+        elif kind == "amx":
+            packed = gemm_bf16.pack(weight_t)
+            if self.bias is not None:
+                self.bias_f32 = self.bias.detach().float()
+        else:
+            packed = pack_linear_weight(weight_t)
         assert packed is not None
         self.weight_packed = nn.Parameter(packed, requires_grad=False)
         self.packing = kind
@@ -139,6 +156,7 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(self.in_features, self.out_features))
         self.weight_packed = None
         self.packing = None
+        self.bias_f32 = None
 
 
 def projection(config: ModelConfig, in_features: int, out_features: int, bias: bool) -> nn.Module:
@@ -265,7 +283,7 @@ class CausalLM(nn.Module):
         # Tied or not, the output projection gets its own transposed copy (see `Linear`).
         self.lm_head = Linear(config.hidden_size, vocab_rows, bias=False)
         self.rotary = RotaryEmbedding(config, dtype)
-        # The fused float32 decode path for the KV cache it was built for (`_fused_decode`)
+        # The fused decode path for the KV cache it was built for (`_fused_decode`)
         self._decode_layers: tuple[KVCache, DecodeLayers | None] | None = None
 
     @torch.inference_mode()
@@ -281,7 +299,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(positions)
         fused = self._fused_decode(kv_cache) if layer_hook is None else None
         if fused is not None and metadata.is_decode_only and not h.is_cuda:
-            h, residual_out = fused.run(h, cos, sin, metadata)  # bit for bit the loop below
+            # float32: bit for bit the loop below; bfloat16: to bfloat16's precision
+            h, residual_out = fused.run(h, cos, sin, metadata)
             return self.norm(h, residual_out)[0]
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -292,7 +311,7 @@ class CausalLM(nn.Module):
         return self.norm(h, residual)[0]
 
     def _fused_decode(self, kv_cache: KVCache) -> DecodeLayers | None:
-        """Every layer of a float32 CPU decode step in one C call, where it applies
+        """Every layer of a CPU decode step in one C call, where it applies
         (`engine.kernels.decode_layers`); built once per KV cache."""
         if self._decode_layers is None or self._decode_layers[0] is not kv_cache:
             self._decode_layers = (kv_cache, DecodeLayers.build(self, kv_cache))

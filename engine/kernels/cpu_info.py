@@ -28,6 +28,11 @@ class CpuInfo:
     def avx512(self) -> bool:
         return self.x86_64 and "avx512f" in self.flags
 
+    @property
+    def amx_bf16(self) -> bool:
+        """AMX tiles with bfloat16 products (Intel Sapphire Rapids and later)."""
+        return self.x86_64 and {"amx_tile", "amx_bf16"} <= self.flags
+
     def identity(self) -> str:
         """The model and its flags: a library built with -march=native runs only where
         they are the same."""

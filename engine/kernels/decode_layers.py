@@ -1,16 +1,25 @@
-"""Every decoder layer of a float32 decode step on the CPU in one C call.
+"""Every decoder layer of a CPU decode step in one C call, float32 or bfloat16.
 
 A decode step of the `small` model spent ~12 of its ~54 ms in Python between its C kernels:
 ~15 calls per layer (module calls, wrappers' checks, views, the cache write's two
 `index_copy_`), each a few to tens of microseconds, against kernels that take 3-400 us.
 `DecodeLayers` keeps, for one model and one KV cache, the addresses of every layer's packed
 weights and cache (`pd_layer`), and `run` hands a step to a C driver
-(`csrc/decode_layers.c`) that calls the same kernels the layer-by-layer path calls:
-`gemm_f32`, the float32 norm, rotary and gate of `cpu_elementwise`, and `decode_attention`,
-in the same order on the same values. The output is bit for bit that path's
-(tests/kernels/test_decode_layers.py), which stays the reference and runs every step this
-one does not cover: prefill and mixed steps, tensor parallelism, FP8, bfloat16, a layer
-hook, or a kernel that is not built here (`DecodeLayers.build` returns None).
+(`csrc/decode_layers.c`).
+
+- **float32** (projections packed for `gemm_f32`): the driver calls the same kernels the
+  layer-by-layer path calls: `gemm_f32`, the float32 norm, rotary and gate of
+  `cpu_elementwise`, and `decode_attention`, in the same order on the same values. The
+  output is bit for bit that path's (tests/kernels/test_decode_layers.py).
+- **bfloat16** (projections packed for the AMX GEMM, `gemm_bf16`; a bfloat16 cache): the
+  same kernels on float32 activations, which are rounded to bfloat16 only where a GEMM reads
+  them and where K/V enter the cache. The layer path rounds after every op instead, so the
+  two agree to bfloat16's precision, not bit for bit; keeping the residual stream in float32
+  is the more accurate of the two. Without AMX (AMD) bfloat16 stays on the layer path.
+
+The layer path stays the reference and runs every step this one does not cover: prefill
+and mixed steps, tensor parallelism, FP8, a layer hook, or a kernel that is not built here
+(`DecodeLayers.build` returns None).
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engine.kernels import cpu_elementwise, gemm_f32
+from engine.kernels import cpu_elementwise, gemm_bf16, gemm_f32
 from engine.kernels.decode_attention import _check_tables, _kernels
 from engine.kernels.metadata import AttentionMetadata
 from engine.kernels.native import kernel_source, labelled, load_library
@@ -36,7 +45,19 @@ _FLOAT = ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _PTR) for name in ("gemm", "norm", "rope", "silu", "attention")]
+    _fields_ = [
+        (name, _PTR)
+        for name in (
+            "gemm",
+            "norm",
+            "rope",
+            "silu",
+            "attention",
+            "gemm_bf16",
+            "to_bf16",
+            "attention_bf16",
+        )
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -46,12 +67,12 @@ class _Layer(ctypes.Structure):
             "input_norm",
             "post_norm",
             "qkv",
-            "qkv_bias",
             "o",
-            "o_bias",
             "gate_up",
-            "gate_up_bias",
             "down",
+            "qkv_bias",
+            "o_bias",
+            "gate_up_bias",
             "down_bias",
             "k_cache",
             "v_cache",
@@ -71,6 +92,7 @@ class _Model(ctypes.Structure):
                 "head_dim",
                 "inter",
                 "block_size",
+                "bf16",
             )
         ],
         ("eps", _FLOAT),
@@ -92,6 +114,7 @@ class _Step(ctypes.Structure):
         ("seq_lens", _PTR),
         ("max_seq_len", _I64),
         *[(name, _PTR) for name in ("x", "qkv", "qk", "attn", "o", "gate_up", "act")],
+        *[(name, _PTR) for name in ("xb", "qkb", "attnb")],
         ("threads", ctypes.c_int),
     ]
 
@@ -101,8 +124,8 @@ def _driver() -> tuple[ctypes._CFuncPtr, _Kernels] | None:  # type: ignore[name-
     """The driver and the kernels it calls, or None where one of them is not built here."""
     gemm = gemm_f32._kernel()
     elementwise = cpu_elementwise._library()
-    attention = (_kernels() or {}).get(torch.float32)
-    if gemm is None or elementwise is None or attention is None:
+    attention = _kernels() or {}
+    if gemm is None or elementwise is None or torch.float32 not in attention:
         return None
     lib = load_library("decode_layers", kernel_source("decode_layers.c"))
     if lib is None:
@@ -111,15 +134,19 @@ def _driver() -> tuple[ctypes._CFuncPtr, _Kernels] | None:  # type: ignore[name-
     fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Model), ctypes.POINTER(_Step)]
     fn.restype = ctypes.c_int
 
-    def address(f: ctypes._CFuncPtr) -> int | None:  # type: ignore[name-defined]
-        return ctypes.cast(f, _PTR).value
+    def address(f: ctypes._CFuncPtr | None) -> int | None:  # type: ignore[name-defined]
+        return None if f is None else ctypes.cast(f, _PTR).value
 
+    amx = gemm_bf16._library()
     kernels = _Kernels(
         address(gemm),
         address(elementwise.pd_add_rms_norm_f32),
         address(elementwise.pd_rope_f32),
         address(elementwise.pd_silu_mul_f32),
-        address(attention),
+        address(attention[torch.float32]),
+        address(None if amx is None else amx.pd_gemm_bf16),
+        address(None if amx is None else amx.pd_f32_to_bf16_n),
+        address(attention.get(torch.bfloat16)),
     )
     return fn, kernels
 
@@ -141,10 +168,11 @@ def _projections(layer: DecoderLayer) -> list[Linear]:
 class DecodeLayers:
     """One model's layers over one KV cache, for `run`; built by `build`."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, bf16: bool) -> None:
         driver = _driver()
         assert driver is not None
         self._fn, self._kernels = driver
+        self.bf16 = bf16
         config = model.config
         decoder = _layers(model)
         first = decoder[0]
@@ -153,16 +181,25 @@ class DecodeLayers:
         self.head_dim, self.inter = attn.head_dim, mlp.intermediate_size
         self.hidden = config.hidden_size
         self.kv_cache = kv_cache  # the tensors stay alive while their addresses are held
+        # float32 norms and biases: the model's own, or (bfloat16) copies kept alive here
+        self._float32: list[torch.Tensor] = []
+
+        def float32(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if t.dtype != torch.float32:
+                t = t.detach().float().contiguous()
+                self._float32.append(t)
+            return t.data_ptr()
+
         layers = (_Layer * len(decoder))()
         for i, layer in enumerate(decoder):
+            projections = _projections(layer)
             layers[i] = _Layer(
-                _ptr(layer.input_layernorm.weight),
-                _ptr(layer.post_attention_layernorm.weight),
-                *(
-                    value
-                    for proj in _projections(layer)
-                    for value in (_ptr(proj.weight_packed), _ptr(proj.bias))
-                ),
+                float32(layer.input_layernorm.weight),
+                float32(layer.post_attention_layernorm.weight),
+                *(_ptr(proj.weight_packed) for proj in projections),
+                *(float32(proj.bias) for proj in projections),
                 kv_cache.key_caches[i].data_ptr(),
                 kv_cache.value_caches[i].data_ptr(),
             )
@@ -175,6 +212,7 @@ class DecodeLayers:
             self.head_dim,
             self.inter,
             kv_cache.spec.block_size,
+            bf16,
             first.input_layernorm.eps,
             attn.scale,
             layers,
@@ -183,28 +221,38 @@ class DecodeLayers:
     @classmethod
     def build(cls, model: CausalLM, kv_cache: KVCache) -> DecodeLayers | None:
         """The fused path for this model and cache, or None where it does not apply (then
-        the layer-by-layer path runs, as it always may)."""
+        the layer-by-layer path runs, as it always may): float32 weights (the C GEMM's) and
+        cache, or bfloat16 weights (the AMX GEMM's) and cache."""
         from engine.model import Linear
 
-        if _driver() is None or model.tp.size != 1:
-            return None
-        caches = [*kv_cache.key_caches, *kv_cache.value_caches]
-        if any(c.dtype != torch.float32 or not c.is_contiguous() or c.is_cuda for c in caches):
+        driver = _driver()
+        if driver is None or model.tp.size != 1:
             return None
         decoder = _layers(model)
+        packings = {
+            p.packing if isinstance(p, Linear) else None
+            for layer in decoder
+            for p in _projections(layer)
+        }
+        if packings == {"f32"}:
+            dtype, bf16 = torch.float32, False
+        elif packings == {"amx"} and driver[1].gemm_bf16 and driver[1].attention_bf16:
+            dtype, bf16 = torch.bfloat16, True
+        else:
+            return None
+        caches = [*kv_cache.key_caches, *kv_cache.value_caches]
+        if any(c.dtype != dtype or not c.is_contiguous() or c.is_cuda for c in caches):
+            return None
         # the same rule as the layer path's norm and gate: where they run torch, so must this
         if not cpu_elementwise.exact_float32_norm(model.config.hidden_size):
             return None
         if not cpu_elementwise.exact_float32_gate(decoder[0].mlp.intermediate_size):
             return None
         for layer in decoder:
-            projections = _projections(layer)  # checked here: the cast is for the type only
-            if any(not isinstance(p, Linear) or p.packing != "f32" for p in projections):
-                return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+            if any(w.dtype != dtype or not w.is_contiguous() for w in norms):
                 return None
-        return cls(model, kv_cache)
+        return cls(model, kv_cache, bf16)
 
     def run(
         self,
@@ -231,19 +279,27 @@ class DecodeLayers:
         num_slots = spec.num_blocks * spec.block_size
         if num_seqs and not 0 <= int(slots.min()) <= int(slots.max()) < num_slots:
             raise IndexError(f"slot out of range [0, {num_slots})")
-        h = h.contiguous().clone()  # written in place
+        dtype = h.dtype
+        h = h.to(torch.float32, copy=True).contiguous()  # written in place
         heads = self.num_heads + self.num_kv_heads
         width = (heads + self.num_kv_heads) * self.head_dim
 
-        def scratch(*shape: int) -> torch.Tensor:
-            return torch.empty(num_seqs, *shape, dtype=torch.float32)
+        def scratch(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(num_seqs, *shape, dtype=dtype)
 
         residual, x, o = scratch(self.hidden), scratch(self.hidden), scratch(self.hidden)
         qkv, qk = scratch(width), scratch(heads, self.head_dim)
         attn = scratch(self.num_heads * self.head_dim)
         gate_up, act = scratch(2 * self.inter), scratch(self.inter)
-        cos = cos.reshape(num_seqs, self.head_dim).contiguous()
-        sin = sin.reshape(num_seqs, self.head_dim).contiguous()
+        bf16_scratch: tuple[torch.Tensor, ...] = ()  # the driver's bfloat16 buffers
+        if self.bf16:
+            bf16_scratch = (
+                scratch(max(self.hidden, self.inter), dtype=torch.bfloat16),
+                scratch(heads, self.head_dim, dtype=torch.bfloat16),
+                scratch(self.num_heads * self.head_dim, dtype=torch.bfloat16),
+            )
+        cos = cos.reshape(num_seqs, self.head_dim).to(torch.float32).contiguous()
+        sin = sin.reshape(num_seqs, self.head_dim).to(torch.float32).contiguous()
         slots = slots.contiguous()
         step = _Step(
             num_seqs,
@@ -257,6 +313,7 @@ class DecodeLayers:
             metadata.seq_lens.data_ptr(),
             metadata.max_seq_len,
             *(t.data_ptr() for t in (x, qkv, qk, attn, o, gate_up, act)),
+            *(_ptr(t) for t in bf16_scratch or (None, None, None)),
             torch.get_num_threads(),
         )
         if num_seqs:
@@ -265,5 +322,5 @@ class DecodeLayers:
                     ctypes.byref(self._kernels), ctypes.byref(self._model), ctypes.byref(step)
                 )
             if status != 0:
-                raise MemoryError("decode attention could not allocate its scratch buffers")
-        return h, residual
+                raise MemoryError("a decode kernel could not allocate its scratch buffers")
+        return h.to(dtype), residual.to(dtype)

@@ -1,11 +1,13 @@
 """Dense projections on the CPU: `y = x @ W^T + b` on a weight packed once, at load.
 
-`packing` picks, per weight, one of two packed forms (or none):
+`packing` picks, per weight, one of three packed forms (or none):
 
 - `"f32"`: float32 on x86-64 with AVX-512, the C GEMM of `engine.kernels.gemm_f32`, which
   sums in the order of MKL's (so float32 greedy output stays token-identical to
   `transformers`) and streams a decode step's weights at several times MKL's rate.
-- `"onednn"`: oneDNN, below.
+- `"amx"`: bfloat16 on x86-64 with AMX, the C GEMM of `engine.kernels.gemm_bf16`, which the
+  fused decode step calls from C (oneDNN's opaque layout only torch can call).
+- `"onednn"`: oneDNN, below (bfloat16 without AMX: AMD's AVX512-BF16).
 
 `pack_linear_weight` reorders a weight once, at load, into oneDNN's blocked layout for this
 CPU's widest instructions (AVX-512, AVX512-BF16, AMX); `linear` then runs one oneDNN
@@ -31,10 +33,10 @@ from typing import Literal
 
 import torch
 
-from engine.kernels import gemm_f32
+from engine.kernels import gemm_bf16, gemm_f32
 from engine.kernels.cpu_info import cpu_info
 
-Packing = Literal["f32", "onednn"]
+Packing = Literal["f32", "amx", "onednn"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Row count oneDNN tunes the packed layout for: a decode step's batch. Measured on a Xeon
@@ -63,8 +65,8 @@ def uses_onednn(weight_t: torch.Tensor) -> bool:
 
 
 def packing(weight_t: torch.Tensor) -> Packing | None:
-    """How a model's projection with this `[in, out]` weight runs: `"f32"` (the C GEMM),
-    `"onednn"`, or None (`linear_ref` on the dense weight)."""
+    """How a model's projection with this `[in, out]` weight runs: `"f32"` or `"amx"` (the
+    C GEMMs), `"onednn"`, or None (`linear_ref` on the dense weight)."""
     if (
         weight_t.device.type == "cpu"
         and weight_t.dtype == torch.float32
@@ -72,6 +74,8 @@ def packing(weight_t: torch.Tensor) -> Packing | None:
         and gemm_f32.available()
     ):
         return "f32"
+    if gemm_bf16.can_pack(weight_t):
+        return "amx"
     return "onednn" if uses_onednn(weight_t) else None
 
 

@@ -1,7 +1,9 @@
-/* C driver loaded by engine/kernels/decode_layers.py: every decoder layer of a float32 decode
-   step in one call, through the same C kernels the layer-by-layer path calls (their
+/* C driver loaded by engine/kernels/decode_layers.py: every decoder layer of a decode step in
+   one call. float32: through the same C kernels the layer-by-layer path calls (their
    addresses come in `pd_kernels`), in the same order, on the same buffers: the result is
-   bit for bit that path's. What it saves is the Python between the kernels. */
+   bit for bit that path's. bfloat16 (`pd_model.bf16`): the AMX GEMM on bfloat16 weights,
+   the float32 norm, rotary and gate on float32 activations, a bfloat16 KV cache. What it
+   saves is the Python between the kernels. */
 #include <stdint.h>
 #include <string.h>
 
@@ -29,6 +31,10 @@ typedef void (*pd_rope_fn)(int64_t T, int64_t H, int64_t D, const float* x, int6
 typedef void (*pd_silu_fn)(int64_t T, int64_t inter, const float* gate_up, int64_t ld,
                            float* out);
 typedef int (*pd_attn_fn)(const pd_decode_args* a, int num_threads);
+typedef int (*pd_gemm_bf16_fn)(int64_t M, int64_t K, int64_t N, const uint16_t* x, int64_t ldx,
+                               const uint16_t* wp, const float* bias, void* y, int64_t ldy,
+                               int y_bf16, int threads);
+typedef void (*pd_to_bf16_fn)(int64_t n, const float* src, uint16_t* dst);
 
 typedef struct {
     pd_gemm_fn gemm;
@@ -36,16 +42,21 @@ typedef struct {
     pd_rope_fn rope;
     pd_silu_fn silu;
     pd_attn_fn attention;
+    pd_gemm_bf16_fn gemm_bf16; /* NULL where AMX does not run */
+    pd_to_bf16_fn to_bf16;
+    pd_attn_fn attention_bf16;
 } pd_kernels;
 
-typedef struct { /* one layer's packed weights (biases NULL where none) and KV cache */
+typedef struct { /* one layer's packed weights (biases NULL where none) and KV cache; norms
+                    and biases float32 in both modes */
     const float *input_norm, *post_norm;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
-    float *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const void *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
 } pd_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, block_size, bf16;
     float eps, scale;
     const pd_layer* layers;
 } pd_model;
@@ -62,11 +73,15 @@ typedef struct {
     int64_t max_seq_len;
     /* scratch */
     float *x, *qkv, *qk, *attn, *o, *gate_up, *act;
+    uint16_t *xb, *qkb, *attnb; /* bf16 only: [T, max(hidden, inter)], [T, H + KVH, D], [T, H * D] */
     int threads;
 } pd_step;
 
-/* Returns 0, or the attention kernel's nonzero status (its scratch could not be had). */
+static int decode_layers_bf16(const pd_kernels* k, const pd_model* m, const pd_step* s);
+
+/* Returns 0, or a kernel's nonzero status (its scratch could not be had). */
 int pd_decode_layers(const pd_kernels* k, const pd_model* m, const pd_step* s) {
+    if (m->bf16) return decode_layers_bf16(k, m, s);
     const int64_t T = s->num_seqs, hidden = m->hidden, D = m->head_dim;
     const int64_t H = m->num_heads, KVH = m->num_kv_heads, inter = m->inter;
     const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
@@ -78,10 +93,10 @@ int pd_decode_layers(const pd_kernels* k, const pd_model* m, const pd_step* s) {
         k->gemm(T, hidden, width, s->x, L->qkv, L->qkv_bias, s->qkv, s->threads);
         k->rope(T, H + KVH, D, s->qkv, width, s->cos, s->sin, s->qk); /* q and k heads */
         for (int64_t t = 0; t < T; t++) { /* the new token's K (rotated) and V */
-            memcpy(L->k_cache + s->slots[t] * kv_size, s->qk + t * (H + KVH) * D + q_size,
-                   (size_t)kv_size * sizeof(float));
-            memcpy(L->v_cache + s->slots[t] * kv_size, s->qkv + t * width + q_size + kv_size,
-                   (size_t)kv_size * sizeof(float));
+            memcpy((float*)L->k_cache + s->slots[t] * kv_size,
+                   s->qk + t * (H + KVH) * D + q_size, (size_t)kv_size * sizeof(float));
+            memcpy((float*)L->v_cache + s->slots[t] * kv_size,
+                   s->qkv + t * width + q_size + kv_size, (size_t)kv_size * sizeof(float));
         }
         pd_decode_args a = {T, H, KVH, D, m->block_size, s->qk, (H + KVH) * D, D,
                             L->k_cache, L->v_cache, s->block_tables, s->table_stride,
@@ -94,6 +109,53 @@ int pd_decode_layers(const pd_kernels* k, const pd_model* m, const pd_step* s) {
         k->gemm(T, hidden, 2 * inter, s->x, L->gate_up, L->gate_up_bias, s->gate_up, s->threads);
         k->silu(T, inter, s->gate_up, 2 * inter, s->act);
         k->gemm(T, inter, hidden, s->act, L->down, L->down_bias, s->h, s->threads);
+    }
+    return 0;
+}
+
+/* The bfloat16 step: activations stay float32 between the kernels (the residual stream
+   included) and are rounded to bfloat16 where a GEMM reads them and where K/V are cached. */
+static int decode_layers_bf16(const pd_kernels* k, const pd_model* m, const pd_step* s) {
+    const int64_t T = s->num_seqs, hidden = m->hidden, D = m->head_dim;
+    const int64_t H = m->num_heads, KVH = m->num_kv_heads, inter = m->inter;
+    const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+    const int64_t heads = H + KVH;
+    int status;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const pd_layer* L = &m->layers[l];
+        k->norm(T, hidden, s->h, hidden, l == 0 ? NULL : s->residual, hidden, L->input_norm,
+                m->eps, s->x, s->residual);
+        k->to_bf16(T * hidden, s->x, s->xb);
+        status = k->gemm_bf16(T, hidden, width, s->xb, hidden, L->qkv, L->qkv_bias, s->qkv,
+                              width, 0, s->threads);
+        if (status != 0) return status;
+        k->rope(T, heads, D, s->qkv, width, s->cos, s->sin, s->qk);
+        k->to_bf16(T * heads * D, s->qk, s->qkb);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy((uint16_t*)L->k_cache + s->slots[t] * kv_size, s->qkb + t * heads * D + q_size,
+                   (size_t)kv_size * sizeof(uint16_t));
+            k->to_bf16(kv_size, s->qkv + t * width + q_size + kv_size,
+                       (uint16_t*)L->v_cache + s->slots[t] * kv_size);
+        }
+        pd_decode_args a = {T, H, KVH, D, m->block_size, s->qkb, heads * D, D,
+                            L->k_cache, L->v_cache, s->block_tables, s->table_stride,
+                            s->seq_lens, s->max_seq_len, m->scale, s->attnb};
+        status = k->attention_bf16(&a, s->threads);
+        if (status != 0) return status;
+        status = k->gemm_bf16(T, q_size, hidden, s->attnb, q_size, L->o, L->o_bias, s->o, hidden,
+                              0, s->threads);
+        if (status != 0) return status;
+        k->norm(T, hidden, s->o, hidden, s->residual, hidden, L->post_norm, m->eps, s->x,
+                s->residual);
+        k->to_bf16(T * hidden, s->x, s->xb);
+        status = k->gemm_bf16(T, hidden, 2 * inter, s->xb, hidden, L->gate_up, L->gate_up_bias,
+                              s->gate_up, 2 * inter, 0, s->threads);
+        if (status != 0) return status;
+        k->silu(T, inter, s->gate_up, 2 * inter, s->act);
+        k->to_bf16(T * inter, s->act, s->xb);
+        status = k->gemm_bf16(T, inter, hidden, s->xb, inter, L->down, L->down_bias, s->h, hidden,
+                              0, s->threads);
+        if (status != 0) return status;
     }
     return 0;
 }
