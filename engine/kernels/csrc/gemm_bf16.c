@@ -10,7 +10,7 @@
 #define NB 32      /* output columns per packed block: two 16-column C tiles */
 #define KS 32      /* k per tile step: 16 pairs */
 #define TILE_ELEMS 512 /* one B tile: 16 pairs x 16 columns x 2 */
-#define M_CHUNK 256    /* rows of x that stay in L2 while a thread's blocks pass over them */
+#define M_CHUNK 128    /* rows of x that stay in L2 while a thread's blocks pass over them */
 #define PF_STEPS 8     /* tile steps of its block a tile row prefetches ahead */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -99,6 +99,13 @@ int pd_gemm_bf16(int64_t M, int64_t K, int64_t N, const uint16_t* x, int64_t ldx
                     _tile_zero(3);
                     for (int64_t s = 0; s < steps; s++) {
                         const uint16_t* b = wb + s * 2 * TILE_ELEMS;
+                        if (s + 2 < steps) { /* the step after next: x's 32 rows, W's tiles */
+                            for (int r = 0; r < 32; r++)
+                                _mm_prefetch((const char*)(a + r * ldx + (s + 2) * KS), _MM_HINT_T0);
+                            const char* p = (const char*)(b + 4 * TILE_ELEMS);
+                            for (int off = 0; off < 2 * TILE_ELEMS * 2; off += 64)
+                                _mm_prefetch(p + off, _MM_HINT_T0);
+                        }
                         _tile_loadd(4, a + s * KS, lda);
                         _tile_loadd(5, a + 16 * ldx + s * KS, lda);
                         _tile_loadd(6, b, 64);
