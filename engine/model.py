@@ -109,13 +109,13 @@ class Linear(nn.Module):
         self.weight_packed = None
         self.packing: Packing | None = None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.bias_f32: torch.Tensor | None = None  # "amx": the bias as the GEMM adds it
+        self.bias_f32: torch.Tensor | None = None  # "bf16": the bias as the GEMM adds it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [.., out]
         if self.packing == "f32":
             assert self.weight_packed is not None
             return gemm_f32.gemm(x, self.weight_packed, self.out_features, self.bias)
-        if self.packing == "amx":
+        if self.packing == "bf16":
             assert self.weight_packed is not None
             out = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
             y = gemm_bf16.gemm(
@@ -138,7 +138,7 @@ class Linear(nn.Module):
         packed: torch.Tensor | None
         if kind == "f32":
             packed = gemm_f32.pack(weight_t)
-        elif kind == "amx":
+        elif kind == "bf16":
             packed = gemm_bf16.pack(weight_t)
             if self.bias is not None:
                 self.bias_f32 = self.bias.detach().float()

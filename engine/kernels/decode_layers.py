@@ -137,15 +137,15 @@ def _driver() -> tuple[ctypes._CFuncPtr, _Kernels] | None:  # type: ignore[name-
     def address(f: ctypes._CFuncPtr | None) -> int | None:  # type: ignore[name-defined]
         return None if f is None else ctypes.cast(f, _PTR).value
 
-    amx = gemm_bf16._library()
+    bf16_lib, bf16_gemm = gemm_bf16._library(), gemm_bf16.kernel()
     kernels = _Kernels(
         address(gemm),
         address(elementwise.pd_add_rms_norm_f32),
         address(elementwise.pd_rope_f32),
         address(elementwise.pd_silu_mul_f32),
         address(attention[torch.float32]),
-        address(None if amx is None else amx.pd_gemm_bf16),
-        address(None if amx is None else amx.pd_f32_to_bf16_n),
+        address(bf16_gemm),
+        address(None if bf16_lib is None else bf16_lib.pd_f32_to_bf16_n),
         address(attention.get(torch.bfloat16)),
     )
     return fn, kernels
@@ -236,7 +236,7 @@ class DecodeLayers:
         }
         if packings == {"f32"}:
             dtype, bf16 = torch.float32, False
-        elif packings == {"amx"} and driver[1].gemm_bf16 and driver[1].attention_bf16:
+        elif packings == {"bf16"} and driver[1].gemm_bf16 and driver[1].attention_bf16:
             dtype, bf16 = torch.bfloat16, True
         else:
             return None

@@ -1,30 +1,37 @@
-"""A bfloat16 GEMM on AMX tiles for the CPU's projections: `y = x @ W^T (+ b)`, float32 sums.
+"""A bfloat16 GEMM for the CPU's projections: `y = x @ W^T (+ b)`, float32 sums, on AMX tiles
+where the CPU has them (Intel Sapphire Rapids and later), else on AVX512-BF16 (AMD Zen 4
+and later, Intel Cooper Lake).
 
 Why not oneDNN, which bfloat16 projections otherwise run (`engine.kernels.linear`): its
 packed weight is opaque, so only torch can call it, one call per projection from Python;
-a decode step of `small` spends about as long between those calls as in them. This kernel
-takes a plain pointer, so the fused decode step (`engine.kernels.decode_layers`) calls it
-from C, and it streams a decode step's weights at memory speed: one AMX `tdpbf16ps`
-multiplies a 16-row tile of x by a 32 x 16 tile of W in a few cycles.
+a decode step of `small` spent about as long between those calls as in them. These kernels
+take plain pointers, so the fused decode step (`engine.kernels.decode_layers`) calls them
+from C. On AMX one `tdpbf16ps` multiplies a 16-row tile of x by a 32 x 16 tile of W in a
+few cycles, and a decode step's rows stream the weights at memory speed (1.3-1.7x oneDNN's
+rate at 16 rows on the `small` shapes; ~0.85x at prefill's thousands of rows). On
+AVX512-BF16 each `vdpbf16ps` multiplies a pair of x's values, broadcast, by 16 columns'
+pairs: oneDNN's own rate at every size, measured on a Xeon with oneDNN held to that
+instruction set (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`).
 
 Layout (`pack`): the `[in, out]` weight is cut into blocks of `BLOCK_COLS` (32) output
 columns, each stored contiguously as `in / 32` steps of two B tiles; a B tile is 16 pairs of
-rows (`k`, `k + 1`) of 16 columns, the pair's two values side by side (AMX's VNNI order).
-`in` must be a multiple of 32 (`can_pack`); the last block's missing columns are zero.
-Threads (OpenMP, torch's runtime) take column blocks; rows go in 16-row tiles, in chunks
+rows (`k`, `k + 1`) of 16 columns, the pair's two values side by side (AMX's VNNI order,
+which is also `vdpbf16ps`'s: one tile row is one vector). `in` must be a multiple of 32
+(`can_pack`); the last block's missing columns are zero. Threads (OpenMP, torch's runtime)
+take column blocks; rows go in 16-row tiles (32 on AMX where there are enough), in chunks
 that stay in L2 while a thread's blocks pass over them. Products of bfloat16 values are
 exact in float32; sums run in tile order, so results differ from oneDNN's or torch's in the
 last bits of float32 (tests/kernels/test_gemm_bf16.py).
 
-Where it runs: x86-64 with AMX (`cpu_info().amx_bf16`), a C compiler, and a kernel that
-grants the process AMX's tile state (`arch_prctl`). Elsewhere (AMD's AVX512-BF16 included)
-bfloat16 stays with oneDNN.
+`PDSERVE_BF16_GEMM` picks the kernel ("amx", "avx512") or turns both off ("off": bfloat16
+projections go back to oneDNN and the layer-by-layer step).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -37,37 +44,65 @@ K_STEP = 32
 _SOURCE = kernel_source("gemm_bf16.c")
 
 
+KERNELS = ("amx", "avx512")
+# "amx", "avx512": which kernel runs (default: the best here); "off": none (oneDNN then)
+KERNEL_ENV = "PDSERVE_BF16_GEMM"
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The C kernels (built on first call), or None where AMX cannot run here."""
-    if not cpu_info().amx_bf16:
+    """The C kernels (built on first call), or None where neither can run here."""
+    info = cpu_info()
+    if not (info.avx512 and "avx512_bf16" in info.flags):
         return None
-    lib = load_library("gemm_bf16", _SOURCE, ("-mamx-tile", "-mamx-bf16"))
-    if lib is None or lib.pd_amx_init() != 0:
+    lib = load_library("gemm_bf16", _SOURCE, ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
+    if lib is None:
         return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pd_gemm_bf16.argtypes = [
-        i64,
-        i64,
-        i64,
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        ctypes.c_int,
-        ctypes.c_int,
-    ]
-    lib.pd_gemm_bf16.restype = ctypes.c_int
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for fn in (lib.pd_gemm_bf16, lib.pd_gemm_bf16_avx512):
+        fn.argtypes = [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i32, i32]
+        fn.restype = ctypes.c_int
     lib.pd_f32_to_bf16_n.argtypes = [i64, ptr, ptr]
     lib.pd_f32_to_bf16_n.restype = None
     return lib
 
 
+@functools.cache
+def _amx() -> bool:
+    """Whether AMX runs here: the CPU has it and Linux grants this process its tile state."""
+    lib = _library()
+    return lib is not None and cpu_info().amx_bf16 and lib.pd_amx_init() == 0
+
+
+@functools.cache
+def kernel_name() -> str | None:
+    """The kernel `gemm` runs: "amx", "avx512", or None where neither runs. `PDSERVE_BF16_GEMM`
+    picks one, or "off" for none (an unavailable choice means none)."""
+    if _library() is None:
+        return None
+    choice = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if choice == "off":
+        return None
+    if choice and choice not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={choice!r}: expected one of {KERNELS} or 'off'")
+    if choice == "amx" or (not choice and _amx()):
+        return "amx" if _amx() else None
+    return "avx512"
+
+
+def kernel(name: str | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C function of kernel `name` (default `kernel_name()`), or None where it does not
+    run here."""
+    lib = _library()
+    name = name or kernel_name()
+    if name is None or lib is None or (name == "amx" and not _amx()):
+        return None
+    return lib.pd_gemm_bf16 if name == "amx" else lib.pd_gemm_bf16_avx512
+
+
 def available() -> bool:
     """Whether `gemm` runs here."""
-    return _library() is not None
+    return kernel() is not None
 
 
 def can_pack(weight_t: torch.Tensor) -> bool:
@@ -109,12 +144,14 @@ def gemm(
     out_features: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype = torch.bfloat16,
+    kernel_name: str | None = None,
 ) -> torch.Tensor:
     """`x @ W + bias` for `x` `[rows, in]` bfloat16 and `packed` from `pack`; `bias` float32
-    (or None); the result float32 or bfloat16 (rounded to nearest even), `[rows, out]`."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the AMX bfloat16 GEMM is not available on this machine")
+    (or None); the result float32 or bfloat16 (rounded to nearest even), `[rows, out]`.
+    `kernel_name`: "amx" or "avx512" (default: the one this machine runs)."""
+    fn = kernel(kernel_name)
+    if fn is None:
+        raise RuntimeError("the bfloat16 GEMM is not available on this machine")
     if x.dim() != 2 or x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16:
         raise TypeError(f"gemm takes 2-D bfloat16 x and weight, got {x.dtype}, {packed.dtype}")
     rows, k = x.shape
@@ -129,7 +166,7 @@ def gemm(
     y = torch.empty(rows, out_features, dtype=out_dtype)
     if rows:
         with labelled("gemm_bf16"):
-            status = lib.pd_gemm_bf16(
+            status = fn(
                 rows,
                 k,
                 out_features,

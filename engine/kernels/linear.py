@@ -5,9 +5,10 @@
 - `"f32"`: float32 on x86-64 with AVX-512, the C GEMM of `engine.kernels.gemm_f32`, which
   sums in the order of MKL's (so float32 greedy output stays token-identical to
   `transformers`) and streams a decode step's weights at several times MKL's rate.
-- `"amx"`: bfloat16 on x86-64 with AMX, the C GEMM of `engine.kernels.gemm_bf16`, which the
-  fused decode step calls from C (oneDNN's opaque layout only torch can call).
-- `"onednn"`: oneDNN, below (bfloat16 without AMX: AMD's AVX512-BF16).
+- `"bf16"`: bfloat16 on x86-64 with AMX or AVX512-BF16, the C GEMM of
+  `engine.kernels.gemm_bf16`, which the fused decode step calls from C (oneDNN's opaque
+  layout only torch can call).
+- `"onednn"`: oneDNN, below (bfloat16 where that kernel does not run).
 
 `pack_linear_weight` reorders a weight once, at load, into oneDNN's blocked layout for this
 CPU's widest instructions (AVX-512, AVX512-BF16, AMX); `linear` then runs one oneDNN
@@ -36,7 +37,7 @@ import torch
 from engine.kernels import gemm_bf16, gemm_f32
 from engine.kernels.cpu_info import cpu_info
 
-Packing = Literal["f32", "amx", "onednn"]
+Packing = Literal["f32", "bf16", "onednn"]
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Row count oneDNN tunes the packed layout for: a decode step's batch. Measured on a Xeon
@@ -65,7 +66,7 @@ def uses_onednn(weight_t: torch.Tensor) -> bool:
 
 
 def packing(weight_t: torch.Tensor) -> Packing | None:
-    """How a model's projection with this `[in, out]` weight runs: `"f32"` or `"amx"` (the
+    """How a model's projection with this `[in, out]` weight runs: `"f32"` or `"bf16"` (the
     C GEMMs), `"onednn"`, or None (`linear_ref` on the dense weight)."""
     if (
         weight_t.device.type == "cpu"
@@ -75,7 +76,7 @@ def packing(weight_t: torch.Tensor) -> Packing | None:
     ):
         return "f32"
     if gemm_bf16.can_pack(weight_t):
-        return "amx"
+        return "bf16"
     return "onednn" if uses_onednn(weight_t) else None
 
 
