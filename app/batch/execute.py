@@ -9,7 +9,7 @@ included) the route would send. Any error becomes its status code and OpenAI err
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from app.errors import APIError, BadRequestError, bad_request, error_response
 from app.frontend import Frontend
 from app.prepared import Entry
 from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.routing.pool_router import RouteDecision
 from engine.request import InvalidRequestError
 
 # Refused for load, not for what it asks: the line is tried again later, not failed.
@@ -45,14 +46,22 @@ class LineExecutor:
     """Runs lines of `endpoint` bodies for a tenant through `frontend`."""
 
     def __init__(
-        self, frontend: Frontend, slo_class: str | None, delta_interval_s: float = 0.0
+        self,
+        frontend: Frontend,
+        slo_class: str | None,
+        delta_interval_s: float = 0.0,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
         """`slo_class`: the class lines ask for (the batch class), None for the tenant's
         default; a tenant whose default is less important than it keeps its default.
-        `delta_interval_s`: how often the decode pool sends a line's tokens (merged)."""
+        `delta_interval_s`: how often the decode pool sends a line's tokens (merged).
+        `local_prefill_max_tokens`: while `idle()` (the batch service's pacer says so), a
+        line with at most this many prompt tokens is prefilled on its decode replica."""
         self.frontend = frontend
         self.slo_class = slo_class
         self.delta_interval_s = delta_interval_s
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.idle: Callable[[], bool] = lambda: False
         self.token_strings = TokenStrings(frontend.tokenizer)
         self._classes: dict[str, str | None] = {}
 
@@ -96,7 +105,15 @@ class LineExecutor:
         if request.stream:
             raise BadRequestError("a batch line cannot stream", param="stream")
         prepared = await self.frontend.admit(tenant, entry)
-        prepared = dataclasses.replace(prepared, delta_interval_s=self.delta_interval_s)
+        route = line_route(
+            prepared.route,
+            len(prepared.prompt_token_ids),
+            self.local_prefill_max_tokens,
+            self.idle(),
+        )
+        prepared = dataclasses.replace(
+            prepared, route=route, delta_interval_s=self.delta_interval_s
+        )
         builder = builder_class(
             self.frontend.model_name,
             n=request.n,
@@ -116,6 +133,23 @@ class LineExecutor:
             int(usage.get("prompt_tokens", 0)),
             int(usage.get("completion_tokens", 0)),
         )
+
+
+def line_route(
+    route: RouteDecision, num_prompt_tokens: int, local_prefill_max_tokens: int, idle: bool
+) -> RouteDecision:
+    """A line's placed `route`, or on an idle service (for a prompt of at most
+    `local_prefill_max_tokens`) its decode pool prefilling it: no prefill call and no KV
+    transfer per line, and nothing more important decoding beside it."""
+    if route.local_prefill or num_prompt_tokens > local_prefill_max_tokens or not idle:
+        return route
+    return dataclasses.replace(
+        route,
+        prefill_pool=None,
+        local_prefill=True,
+        computes=None,
+        reason=f"{route.reason}; a batch line on an idle service: prefilled where it decodes",
+    )
 
 
 def _entry(

@@ -28,7 +28,7 @@ def batch_service(
     executor = line_executor(frontend, config.batch)
     if executor.slo_class is not None:  # pacing reads the pools' queues by priority
         frontend.overload.monitor.watch(pools)
-    return BatchService(
+    service = BatchService(
         config.batch,
         executor,
         LoadObserver(frontend, executor, list(pools)),
@@ -39,6 +39,8 @@ def batch_service(
             if tenant.max_concurrent_requests is not None
         },
     )
+    executor.idle = lambda: service.pacer.idle  # short lines prefill where they decode then
+    return service
 
 
 class LoadObserver:

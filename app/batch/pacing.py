@@ -4,10 +4,12 @@ Every job of a replica draws its lines' slots from one `Window`. `Pacer` moves t
 limit every `pace_period_s` from what it observes:
 
 - nothing more important running through this replica for `quiet_s`, none queued at a
-  pool: the limit goes to `max_concurrency` at once, so an idle service runs a job at large
-  batches from its first second (doubling from `busy_concurrency` took 1.25 s at the
-  default pace, a third of a 320-line job on `tiny`; the lines a sudden arrival needs
-  back are preempted below, so a full window costs it no more than a ramp would);
+  pool (`Pacer.idle`): the limit goes to `max_concurrency` at once, so an idle service runs
+  a job at large batches from its first second (doubling from `busy_concurrency` took
+  1.25 s at the default pace, a third of a 320-line job on `tiny`; the lines a sudden
+  arrival needs back are preempted below, so a full window costs it no more than a ramp
+  would), and short lines prefill where they decode (`LineExecutor`,
+  `batch.local_prefill_max_tokens`);
 - more important requests running here, or seen within `quiet_s`: the limit drops to
   `busy_concurrency` at once, then grows by one per period up to it;
 - more important work queued at a pool (a decode replica's admission waiters, prompt tokens
@@ -53,20 +55,25 @@ class Pacer:
         self.quiet_s = settings.quiet_s
         self.limit = self.busy
         self.busy_at = -math.inf  # when more important work was last seen
+        # Nothing more important seen for `quiet_s` at the last look (the window fully open)
+        self.idle = False
 
     def next_limit(self, load: Load) -> int:
         if load.queued or load.num_running:
             self.busy_at = load.now
+        self.idle = False
         if load.queued:
             self.limit = max(self.min, self.limit // 2)
         elif load.now - self.busy_at < self.quiet_s:
             self.limit = min(self.busy, self.limit + 1)
         else:
             self.limit = self.max
+            self.idle = True
         return self.limit
 
     def refused(self) -> int:
         """A line was refused for load: halve."""
+        self.idle = False
         self.limit = max(self.min, self.limit // 2)
         return self.limit
 

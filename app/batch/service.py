@@ -239,5 +239,8 @@ def line_executor(frontend: Any, settings: BatchSettings) -> LineExecutor:
     """Lines through `frontend` in the configured batch class, if it is configured."""
     configured = frontend.config.admission.slo_class(settings.slo_class or "") is not None
     return LineExecutor(
-        frontend, settings.slo_class if configured else None, settings.delta_interval_s
+        frontend,
+        settings.slo_class if configured else None,
+        settings.delta_interval_s,
+        settings.local_prefill_max_tokens,
     )

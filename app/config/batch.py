@@ -58,12 +58,22 @@ class BatchSettings(_Strict):
         "fill the decode slots they are about to need).",
     )
     delta_interval_s: float = Field(
-        default=0.1,
+        default=2.0,
         ge=0,
         allow_inf_nan=False,
         description="A line's tokens come back from the decode pool merged, at most one "
         "message per this many seconds (a line needs only the whole answer; a message per "
-        "token costs every process on the way); 0: one per engine step, as online.",
+        "token costs every process on the way: at 2 s most lines send one); 0: one per "
+        "engine step, as online.",
+    )
+    local_prefill_max_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description="While the service is idle (as pacing sees it: the window at "
+        "max_concurrency), a line whose prompt has at most this many tokens is prefilled on "
+        "its decode replica instead of being handed off: no prefill call and no KV transfer "
+        "per line. Under more important load lines keep their placed route, so their "
+        "prompts do not compute beside interactive decoding. 0: never.",
     )
     pace_period_s: float = Field(
         default=0.25, gt=0, allow_inf_nan=False, description="How often the pace is adjusted."

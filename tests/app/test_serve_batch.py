@@ -222,7 +222,10 @@ def test_cli_submit_waits_and_writes_the_output(
 
 def test_ingress_killed_mid_job_completes_each_line_once(server: Server) -> None:
     client = server.openai(ACME)
-    bodies = [completion_body(i, max_tokens=48) for i in range(48)]
+    # Lengths spread over 8..196 tokens: lines finish one after another over the job, so
+    # the loop below sees some, not half, done (equal lines run in one batch and finish
+    # within one progress write of each other).
+    bodies = [completion_body(i, max_tokens=8 + 4 * i) for i in range(48)]
     file = client.files.create(
         file=("kill.jsonl", jsonl("/v1/completions", bodies)), purpose="batch"
     )

@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from app.batch.execute import line_route
 from app.batch.pacing import Load, Pacer, queued_ahead
 from app.batch.upload import read_upload
 from app.config import BatchSettings
 from app.errors import BadRequestError, PayloadTooLargeError
+from app.routing.pool_router import RouteDecision
 
 BOUNDARY = "b0undary"
 CONTENT_TYPE = f"multipart/form-data; boundary={BOUNDARY}"
@@ -60,9 +62,12 @@ def test_malformed_upload_is_400() -> None:
 def test_pacer_opens_when_idle_and_backs_off_for_more_important_work() -> None:
     settings = BatchSettings(min_concurrency=1, busy_concurrency=4, max_concurrency=64, quiet_s=3.0)
     pacer = Pacer(settings)
+    assert not pacer.idle  # nothing seen yet
     limits = [pacer.next_limit(Load(0, False, now=t)) for t in range(6)]
     assert limits == [64] * 6  # quiet: the whole window at once
+    assert pacer.idle  # (short lines then prefill where they decode)
     assert pacer.next_limit(Load(3, False, now=10)) == 4  # interactive running: busy at once
+    assert not pacer.idle
     assert pacer.next_limit(Load(0, True, now=11)) == 2  # interactive queued: halve
     assert pacer.next_limit(Load(0, True, now=12)) == 1
     assert pacer.next_limit(Load(0, True, now=13)) == 1
@@ -70,7 +75,11 @@ def test_pacer_opens_when_idle_and_backs_off_for_more_important_work() -> None:
     assert pacer.refused() == 1
     # Quiet for less than quiet_s: up by one, no further than busy; then the whole window.
     assert [pacer.next_limit(Load(0, False, now=t)) for t in (15, 16, 16.5)] == [2, 3, 4]
+    assert not pacer.idle
     assert pacer.next_limit(Load(0, False, now=17.5)) == 64
+    assert pacer.idle
+    pacer.refused()  # a line refused for load: not idle until the next quiet look
+    assert not pacer.idle
 
 
 def test_queued_ahead_reads_more_important_waiters_only() -> None:
@@ -79,3 +88,16 @@ def test_queued_ahead_reads_more_important_waiters_only() -> None:
     assert not queued_ahead([decode, prefill], priority=10)
     assert queued_ahead([{"admission": {"num_waiting_by_priority": {0: 1}}}], priority=10)
     assert queued_ahead([{"pending_tokens_by_priority": {"0": 12}}], priority=10)
+
+
+def test_short_lines_prefill_where_they_decode_only_when_idle() -> None:
+    placed = RouteDecision("short", "decode", False, 10, "64 tokens: short", ("short", 64))
+    local = line_route(placed, 64, 1024, idle=True)
+    assert (local.prefill_pool, local.decode_pool, local.local_prefill) == (None, "decode", True)
+    assert local.computes is None and local.priority == 10
+    assert "idle service" in local.reason
+    assert line_route(placed, 64, 1024, idle=False) is placed  # interactive work around
+    assert line_route(placed, 2000, 1024, idle=True) is placed  # too long to run beside decode
+    assert line_route(placed, 64, 0, idle=True) is placed  # turned off
+    already = RouteDecision(None, "decode", True, 10, "under 32 tokens")
+    assert line_route(already, 8, 1024, idle=True) is already
