@@ -53,7 +53,9 @@ class LoadObserver:
         self.frontend = frontend
         self.executor = executor
         self.pools = pools
-        self._seen = 0  # more important arrivals counted so far
+        # More important arrivals counted so far; None until the first look, which takes
+        # them as its baseline (those before it are not new; the running ones still count)
+        self._seen: int | None = None
 
     def __call__(self) -> Load:
         now = time.monotonic()
@@ -65,7 +67,8 @@ class LoadObserver:
         num_running = sum(n for p, n in running.items() if p < slo.priority)
         arrived = self.frontend.arrivals_by_priority
         num_arrived = sum(n for p, n in arrived.items() if p < slo.priority)
-        num_new, self._seen = num_arrived - self._seen, num_arrived
+        num_new = 0 if self._seen is None else num_arrived - self._seen
+        self._seen = num_arrived
         stats: list[Mapping[str, Any]] = []
         for pool in self.pools:
             snapshot = self.frontend.overload.monitor.snapshot(pool)

@@ -134,8 +134,9 @@ class BatchService:
     async def _pace(self) -> None:
         while True:
             await asyncio.sleep(self.settings.pace_period_s)
-            if not self.running:
-                continue
+            # Looked at with no job running too: arrivals are counted in the period they
+            # came in, so a job submitted after a quiet spell starts with the window open
+            # (counted at the job's first look, they would read as just arrived).
             load = self.observe_load()
             limit = self.pacer.next_limit(load)
             self.window.set_limit(limit)
