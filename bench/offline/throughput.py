@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from bench.offline.roofline import MachineRates, measure_rates, roofline
+from engine.kernels import gemm_bf16
 from engine.kernels.cpu_info import cpu_info
 
 if TYPE_CHECKING:
@@ -209,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": args.repeats,
         "cpu": cpu_info().model_name,
         "cpu_flags": cpu_flags(),
+        # which bfloat16 GEMM the projections ran ("amx", "avx512"; None: oneDNN)
+        "bf16_gemm": gemm_bf16.kernel_name() if args.dtype == "bfloat16" else None,
         "pdserve_decode_tok_s": round(pd["decode_tok_s"], 2),
         "pdserve_prefill_tok_s": round(pd["prefill_tok_s"], 2),
         "bandwidth_gb_s": round(rates.bandwidth_bytes_s / 1e9, 2),
