@@ -1,5 +1,6 @@
-/* C kernel source loaded by engine/kernels/gemm_bf16.py (the layout, when it runs): a
-   bfloat16 GEMM on AMX tiles, float32 sums, for `y = x @ W (+ bias)`. */
+/* C kernel source loaded by engine/kernels/gemm_bf16.py (the layout, which kernel runs):
+   bfloat16 GEMMs with float32 sums for `y = x @ W (+ bias)`, on AMX tiles
+   (`pd_gemm_bf16`) or AVX512-BF16 (`pd_gemm_bf16_avx512`), one packed layout for both. */
 #include <immintrin.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
