@@ -92,8 +92,9 @@ class Linear(nn.Module):
 
     On the CPU `pack()` then moves the weight into the packed layout `engine.kernels.linear`
     picks for it (`packing`): float32 goes to the C GEMM's column blocks
-    (`engine.kernels.gemm_f32`), bfloat16 to the AMX GEMM's tiles (`engine.kernels.gemm_bf16`)
-    or, without AMX, oneDNN's blocked layout. `weight_packed`
+    (`engine.kernels.gemm_f32`), bfloat16 to the tiles of the C bfloat16 GEMM
+    (`engine.kernels.gemm_bf16`: AMX or AVX512-BF16) or, where neither runs, oneDNN's
+    blocked layout. `weight_packed`
     replaces `weight_t` (the same bytes, give or take one block's padding). Elsewhere
     `x @ weight_t` runs: cuBLAS takes either layout, and MKL's GEMM for a decode step's few
     rows is 4-5x faster on `[in, out]` than on `nn.Linear`'s `[out, in]` (and bit-identical).

@@ -274,7 +274,7 @@ class KVAwareRouter(RequestRouter):
         candidates = [
             Candidate(
                 replica_load(
-                    r.routing_stats, self.in_flight.load(r.replica_id.unique_id), block_size or 1
+                    r.routing_stats, self.in_flight.load(r.replica_id.unique_id), block_size
                 ),
                 matched[i] * block_size,
                 random.random(),
