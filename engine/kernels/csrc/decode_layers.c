@@ -77,85 +77,76 @@ typedef struct {
     int threads;
 } pd_step;
 
-static int decode_layers_bf16(const pd_kernels* k, const pd_model* m, const pd_step* s);
+/* y[T, N] = x[T, K] @ W (+ bias), x float32: the float32 GEMM, or (bf16) x rounded into
+   the step's bfloat16 buffer and the bfloat16 GEMM. Returns 0 or the GEMM's status. */
+static int project(const pd_kernels* k, const pd_model* m, const pd_step* s, int64_t K,
+                   int64_t N, const float* x, const void* w, const float* bias, float* y) {
+    if (!m->bf16) {
+        k->gemm(s->num_seqs, K, N, x, w, bias, y, s->threads);
+        return 0;
+    }
+    k->to_bf16(s->num_seqs * K, x, s->xb);
+    return k->gemm_bf16(s->num_seqs, K, N, s->xb, K, w, bias, y, N, 0, s->threads);
+}
+
+/* The step's new K (rotated, in `qk`) and V (in `qkv`) into the layer's cache, then decode
+   attention over it into `attn` (bfloat16: `attnb`, its q and cached K/V rounded). */
+static int attend(const pd_kernels* k, const pd_model* m, const pd_step* s, const pd_layer* L) {
+    const int64_t T = s->num_seqs, D = m->head_dim, H = m->num_heads, KVH = m->num_kv_heads;
+    const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+    const int64_t heads = H + KVH;
+    if (m->bf16) k->to_bf16(T * heads * D, s->qk, s->qkb);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = s->slots[t];
+        const float* v = s->qkv + t * width + q_size + kv_size;
+        if (m->bf16) {
+            memcpy((uint16_t*)L->k_cache + slot * kv_size, s->qkb + t * heads * D + q_size,
+                   (size_t)kv_size * sizeof(uint16_t));
+            k->to_bf16(kv_size, v, (uint16_t*)L->v_cache + slot * kv_size);
+        } else {
+            memcpy((float*)L->k_cache + slot * kv_size, s->qk + t * heads * D + q_size,
+                   (size_t)kv_size * sizeof(float));
+            memcpy((float*)L->v_cache + slot * kv_size, v, (size_t)kv_size * sizeof(float));
+        }
+    }
+    pd_decode_args a = {T, H, KVH, D, m->block_size,
+                        m->bf16 ? (const void*)s->qkb : (const void*)s->qk, heads * D, D,
+                        L->k_cache, L->v_cache, s->block_tables, s->table_stride,
+                        s->seq_lens, s->max_seq_len, m->scale,
+                        m->bf16 ? (void*)s->attnb : (void*)s->attn};
+    return (m->bf16 ? k->attention_bf16 : k->attention)(&a, s->threads);
+}
 
 /* Returns 0, or a kernel's nonzero status (its scratch could not be had). */
 int pd_decode_layers(const pd_kernels* k, const pd_model* m, const pd_step* s) {
-    if (m->bf16) return decode_layers_bf16(k, m, s);
     const int64_t T = s->num_seqs, hidden = m->hidden, D = m->head_dim;
     const int64_t H = m->num_heads, KVH = m->num_kv_heads, inter = m->inter;
-    const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
+    const int64_t q_size = H * D, width = q_size + 2 * KVH * D;
+    int status;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const pd_layer* L = &m->layers[l];
         /* x, residual = input_layernorm(h, residual); the first layer adds nothing */
         k->norm(T, hidden, s->h, hidden, l == 0 ? NULL : s->residual, hidden, L->input_norm,
                 m->eps, s->x, s->residual);
-        k->gemm(T, hidden, width, s->x, L->qkv, L->qkv_bias, s->qkv, s->threads);
+        if ((status = project(k, m, s, hidden, width, s->x, L->qkv, L->qkv_bias, s->qkv)))
+            return status;
         k->rope(T, H + KVH, D, s->qkv, width, s->cos, s->sin, s->qk); /* q and k heads */
-        for (int64_t t = 0; t < T; t++) { /* the new token's K (rotated) and V */
-            memcpy((float*)L->k_cache + s->slots[t] * kv_size,
-                   s->qk + t * (H + KVH) * D + q_size, (size_t)kv_size * sizeof(float));
-            memcpy((float*)L->v_cache + s->slots[t] * kv_size,
-                   s->qkv + t * width + q_size + kv_size, (size_t)kv_size * sizeof(float));
-        }
-        pd_decode_args a = {T, H, KVH, D, m->block_size, s->qk, (H + KVH) * D, D,
-                            L->k_cache, L->v_cache, s->block_tables, s->table_stride,
-                            s->seq_lens, s->max_seq_len, m->scale, s->attn};
-        const int status = k->attention(&a, s->threads);
-        if (status != 0) return status;
-        k->gemm(T, q_size, hidden, s->attn, L->o, L->o_bias, s->o, s->threads);
+        if ((status = attend(k, m, s, L))) return status;
+        status = 0;
+        if (m->bf16) /* attention's output is bfloat16 already: the GEMM reads it as it is */
+            status = k->gemm_bf16(T, q_size, hidden, s->attnb, q_size, L->o, L->o_bias, s->o,
+                                  hidden, 0, s->threads);
+        else
+            k->gemm(T, q_size, hidden, s->attn, L->o, L->o_bias, s->o, s->threads);
+        if (status) return status;
         k->norm(T, hidden, s->o, hidden, s->residual, hidden, L->post_norm, m->eps, s->x,
                 s->residual);
-        k->gemm(T, hidden, 2 * inter, s->x, L->gate_up, L->gate_up_bias, s->gate_up, s->threads);
+        if ((status = project(k, m, s, hidden, 2 * inter, s->x, L->gate_up, L->gate_up_bias,
+                              s->gate_up)))
+            return status;
         k->silu(T, inter, s->gate_up, 2 * inter, s->act);
-        k->gemm(T, inter, hidden, s->act, L->down, L->down_bias, s->h, s->threads);
-    }
-    return 0;
-}
-
-/* The bfloat16 step: activations stay float32 between the kernels (the residual stream
-   included) and are rounded to bfloat16 where a GEMM reads them and where K/V are cached. */
-static int decode_layers_bf16(const pd_kernels* k, const pd_model* m, const pd_step* s) {
-    const int64_t T = s->num_seqs, hidden = m->hidden, D = m->head_dim;
-    const int64_t H = m->num_heads, KVH = m->num_kv_heads, inter = m->inter;
-    const int64_t q_size = H * D, kv_size = KVH * D, width = q_size + 2 * kv_size;
-    const int64_t heads = H + KVH;
-    int status;
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        const pd_layer* L = &m->layers[l];
-        k->norm(T, hidden, s->h, hidden, l == 0 ? NULL : s->residual, hidden, L->input_norm,
-                m->eps, s->x, s->residual);
-        k->to_bf16(T * hidden, s->x, s->xb);
-        status = k->gemm_bf16(T, hidden, width, s->xb, hidden, L->qkv, L->qkv_bias, s->qkv,
-                              width, 0, s->threads);
-        if (status != 0) return status;
-        k->rope(T, heads, D, s->qkv, width, s->cos, s->sin, s->qk);
-        k->to_bf16(T * heads * D, s->qk, s->qkb);
-        for (int64_t t = 0; t < T; t++) {
-            memcpy((uint16_t*)L->k_cache + s->slots[t] * kv_size, s->qkb + t * heads * D + q_size,
-                   (size_t)kv_size * sizeof(uint16_t));
-            k->to_bf16(kv_size, s->qkv + t * width + q_size + kv_size,
-                       (uint16_t*)L->v_cache + s->slots[t] * kv_size);
-        }
-        pd_decode_args a = {T, H, KVH, D, m->block_size, s->qkb, heads * D, D,
-                            L->k_cache, L->v_cache, s->block_tables, s->table_stride,
-                            s->seq_lens, s->max_seq_len, m->scale, s->attnb};
-        status = k->attention_bf16(&a, s->threads);
-        if (status != 0) return status;
-        status = k->gemm_bf16(T, q_size, hidden, s->attnb, q_size, L->o, L->o_bias, s->o, hidden,
-                              0, s->threads);
-        if (status != 0) return status;
-        k->norm(T, hidden, s->o, hidden, s->residual, hidden, L->post_norm, m->eps, s->x,
-                s->residual);
-        k->to_bf16(T * hidden, s->x, s->xb);
-        status = k->gemm_bf16(T, hidden, 2 * inter, s->xb, hidden, L->gate_up, L->gate_up_bias,
-                              s->gate_up, 2 * inter, 0, s->threads);
-        if (status != 0) return status;
-        k->silu(T, inter, s->gate_up, 2 * inter, s->act);
-        k->to_bf16(T * inter, s->act, s->xb);
-        status = k->gemm_bf16(T, inter, hidden, s->xb, inter, L->down, L->down_bias, s->h, hidden,
-                              0, s->threads);
-        if (status != 0) return status;
+        if ((status = project(k, m, s, inter, hidden, s->act, L->down, L->down_bias, s->h)))
+            return status;
     }
     return 0;
 }
