@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -111,6 +112,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(self.model, rank0_cache, self.device, self.workers, graphs)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, _Held] = {}  # requests with output_interval_s, after a token
         self._ids = itertools.count()
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
@@ -150,8 +152,10 @@ class Engine:
         tenant: str = "",
         priority: int = 0,
         prefill_only: bool = False,
+        output_interval_s: float = 0.0,
     ) -> Request:
-        """Validate and build a request (raises InvalidRequestError on bad input)."""
+        """Validate and build a request (raises InvalidRequestError on bad input).
+        `output_interval_s`: `Request.output_interval_s`."""
         token_ids = self.tokenize(prompt)
         check_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
         total = len(token_ids) + params.max_tokens
@@ -171,6 +175,7 @@ class Engine:
             priority=priority,
             arrival_time=time.monotonic(),
             prefill_only=prefill_only,
+            output_interval_s=output_interval_s,
         )
 
     def add_request(self, request: Request) -> None:
@@ -207,7 +212,9 @@ class Engine:
             status = self.scheduler.check_stop(request, first_token_id)
             if status is not None:
                 self.scheduler.finish_request(request_id, status)
-            return self._emit(request, first_token_id, logprobs, request.is_finished)
+            delta = self._emit(request, first_token_id, logprobs, request.is_finished)
+            assert delta is not None  # a first token is never held
+            return delta
         except Exception as exc:  # noqa: BLE001 - this request's text: fail it alone
             logger.exception("request %s failed on its first token", request_id)
             return self._fail(request, f"request failed in the engine: {exc!r}")
@@ -222,8 +229,7 @@ class Engine:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
-        self._forget(request_id)
-        return self._delta(request, [], "", [])
+        return self._final(request)
 
     @property
     def has_unfinished(self) -> bool:
@@ -288,7 +294,9 @@ class Engine:
             try:
                 finished = self.scheduler.update_scheduled(item, sample)
                 if sample is not None:
-                    deltas.append(self._emit(request, sample[0], sample[1], finished))
+                    delta = self._emit(request, sample[0], sample[1], finished)
+                    if delta is not None:
+                        deltas.append(delta)
             except Exception as exc:  # noqa: BLE001 - this request's bookkeeping or text
                 logger.exception("request %s failed after its step", request.request_id)
                 message = f"request failed in the engine: {exc!r}"
@@ -321,8 +329,7 @@ class Engine:
         """End a request with an error (its final delta carries `message`). `hold` keeps the
         blocks until `release_held` (a KV sender may still be reading them)."""
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED, hold)
-        self._forget(request.request_id)
-        return self._delta(request, [], "", [], error=message)
+        return self._final(request, error=message)
 
     def _check_device(self) -> None:
         """After a failed step: raise if the device itself is unusable (a sticky CUDA error
@@ -339,19 +346,56 @@ class Engine:
         token_id: int,
         logprobs: dict[int, float] | None,
         finished: bool,
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
+        """The delta of `request`'s new token, or None while it is held: a request with
+        `output_interval_s` gets its first token at once, then its tokens merged into one
+        delta per interval (and at its end). Held tokens are detokenized only when handed
+        over, unless stop strings need their text at once: for a whole-answer caller that
+        saves a tokenizer call per token (a third of a small model's step at batch 64)."""
+        rid = request.request_id
+        held = self._held.get(rid)
+        if held is None:
+            held = _Held()
+            if request.output_interval_s > 0:
+                self._held[rid] = held
+        held.add(token_id, logprobs)
+        now = time.monotonic()
+        due = finished or now >= held.due
+        if due or request.sampling_params.stop:
+            held.text, finished = self._detokenize(request, held.text, held.take_undecoded())
+        if not (due or finished):
+            return None
+        delta = self._delta(request, held.token_ids, held.text, held.logprobs)
+        held.handed_over(now + request.output_interval_s)
+        if finished:
+            self._forget(rid)
+        return delta
+
+    def _detokenize(self, request: Request, text: str, token_ids: list[int]) -> tuple[str, bool]:
+        """`text` and the text of `token_ids` after it; whether `request` is finished now (a
+        stop string matched: it is finished here; a finished one gets its held-back text)."""
         detok = self._detokenizers[request.request_id]
-        update = detok.update([token_id])
-        text = update.text_delta
-        if update.finished and not finished:
+        update = detok.update(token_ids)
+        text += update.text_delta
+        if update.finished and not request.is_finished:
             request.stop_reason = update.stop_str
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            finished = True
-        elif finished and update.stop_str is None:
+        elif request.is_finished and update.stop_str is None:
             text += detok.flush()
-        if finished:
-            self._forget(request.request_id)
-        return self._delta(request, [token_id], text, [logprobs] if logprobs else [])
+        return text, request.is_finished
+
+    def _final(self, request: Request, error: str | None = None) -> RequestOutput:
+        """The last delta of a request ended from outside a step (aborted, failed): with
+        the tokens still held for it, if any."""
+        held = self._held.get(request.request_id)
+        token_ids: list[int] = []
+        text, logprobs = "", []
+        if held is not None and held.token_ids:
+            if error is None:
+                text, _ = self._detokenize(request, held.text, held.take_undecoded())
+            token_ids, logprobs = held.token_ids, held.logprobs
+        self._forget(request.request_id)
+        return self._delta(request, token_ids, text, logprobs, error=error)
 
     def _delta(
         self,
@@ -378,6 +422,7 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         self._detokenizers.pop(request_id, None)
+        self._held.pop(request_id, None)
         self.runner.forget(request_id)
 
     # ---- offline ---------------------------------------------------------------------
@@ -397,7 +442,8 @@ class Engine:
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, per_prompt, strict=True):
-            request = self.make_request(prompt, p)
+            # Only whole answers are read here: the first token, then one delta at the end.
+            request = self.make_request(prompt, p, output_interval_s=math.inf)
             results[request.request_id] = CompletionOutput(
                 request.request_id, list(request.prompt_token_ids)
             )
@@ -411,6 +457,32 @@ class Engine:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]
+
+
+class _Held:
+    """A request's tokens since its last delta (`Engine._emit`)."""
+
+    __slots__ = ("due", "logprobs", "text", "token_ids", "undecoded")
+
+    def __init__(self) -> None:
+        self.due = 0.0  # monotonic time the next delta may go
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.text = ""  # text of the held tokens detokenized so far
+        self.undecoded: list[int] = []  # held tokens not through the detokenizer yet
+
+    def add(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.token_ids.append(token_id)
+        self.undecoded.append(token_id)
+        if logprobs:
+            self.logprobs.append(logprobs)
+
+    def take_undecoded(self) -> list[int]:
+        token_ids, self.undecoded = self.undecoded, []
+        return token_ids
+
+    def handed_over(self, due: float) -> None:
+        self.due, self.token_ids, self.logprobs, self.text = due, [], [], ""
 
 
 def _may_stream_kv(item: ScheduledRequest) -> bool:

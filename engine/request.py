@@ -285,6 +285,10 @@ class Request:
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None  # time.monotonic() when first scheduled
     prefill_only: bool = False  # prefill pool: finish as FINISHED_PREFILLED after the prompt
+    # Above 0: the caller reads only the whole answer; after the first token, the engine
+    # hands over this request's news merged, at most once per this many seconds
+    # (`Engine._emit`).
+    output_interval_s: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

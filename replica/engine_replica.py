@@ -189,10 +189,15 @@ class EngineReplica:
         }
 
     def make_request(
-        self, spec: RequestSpec, request_id: str | None = None, prefill_only: bool = False
+        self,
+        spec: RequestSpec,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        output_interval_s: float = 0.0,
     ) -> Request:
         """`spec` as an engine request (under `request_id`, default `spec.request_id`),
-        checked by `Engine.make_request`: raises `InvalidRequestError` on bad input."""
+        checked by `Engine.make_request`: raises `InvalidRequestError` on bad input.
+        `output_interval_s`: deltas merged at most that often (`Request.output_interval_s`)."""
         return self.engine.make_request(
             list(spec.prompt_token_ids),
             spec.sampling_params,
@@ -200,6 +205,7 @@ class EngineReplica:
             tenant=spec.tenant,
             priority=spec.priority,
             prefill_only=prefill_only,
+            output_interval_s=output_interval_s,
         )
 
     async def generate_whole(self, request: Request) -> AsyncIterator[RequestOutput]:

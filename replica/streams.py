@@ -6,7 +6,8 @@ replica (`decode/server.py`) and a prefill replica of a pool with `serves_decode
 first holds one of the replica's `max_num_seqs` slots (`replica/slot_gate.py`: waiters
 admitted by priority, within the request's deadline), then its deltas flow through its
 `GenerationTrace` (spans, TTFT breakdown); the gaps between tokens feed the replica's ITL
-signal; a spec with `delta_interval_s` gets them merged (`replica/delta_batching.py`).
+signal; a spec with `delta_interval_s` gets them merged by the engine thread
+(`AsyncEngine.open_stream`).
 Event loop only.
 """
 
@@ -17,7 +18,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
-from replica.delta_batching import batched
 from replica.generation_trace import GenerationTrace
 from replica.protocol import GenerationSpec
 from replica.signals import RecentSamples
@@ -70,8 +70,6 @@ class Streams:
                         yield delta
 
                 out = observed()
-                if spec.delta_interval_s > 0:
-                    out = batched(out, spec.delta_interval_s)
                 async with contextlib.aclosing(out):
                     async for delta in out:
                         yield delta

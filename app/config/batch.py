@@ -62,9 +62,9 @@ class BatchSettings(_Strict):
         ge=0,
         allow_inf_nan=False,
         description="A line's tokens come back from the decode pool merged, at most one "
-        "message per this many seconds (a line needs only the whole answer; a message per "
-        "token costs every process on the way: at 2 s most lines send one); 0: one per "
-        "engine step, as online.",
+        "message per this many seconds after its first token (a line needs only the whole "
+        "answer; a message and a tokenizer call per token cost every process on the way: at "
+        "2 s most lines send two); 0: one per engine step, as online.",
     )
     local_prefill_max_tokens: int = Field(
         default=1024,
