@@ -13,6 +13,7 @@ answer only when `http.enable_docs` is set.
 # FastAPI must see real `Request` classes, not strings, to inject the request object.
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -58,6 +59,11 @@ from engine.request import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 5.0  # per pool, for /v1/pdserve/stats
+# A response that is not streamed needs only the whole answer: after the first token (TTFT
+# is measured on it) the decode pool hands over its tokens merged, at most this often, and
+# detokenizes them only then (`Engine._emit`), instead of a message and a tokenizer call
+# per token. Often enough that output-token quotas are charged as the request goes.
+NON_STREAMED_DELTA_INTERVAL_S = 1.0
 
 # The docs routes are ours (below), so that config can turn them on: this app object is
 # frozen into the deployment when the module is imported, before any config is known.
@@ -158,7 +164,10 @@ class Ingress:
         with the route's headers (where a 503 `replica_lost` was placed, for one)."""
         try:
             if not stream:
-                async for index, delta in self.frontend.run(prepared):
+                whole = dataclasses.replace(
+                    prepared, delta_interval_s=NON_STREAMED_DELTA_INTERVAL_S
+                )
+                async for index, delta in self.frontend.run(whole):
                     builder.add(index, delta)
                 headers = self._headers(prepared, builder)
                 return JSONResponse(builder.build().model_dump(mode="json"), headers=headers)

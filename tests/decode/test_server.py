@@ -8,6 +8,7 @@ Serve path itself is exercised end to end in tests/app).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -129,6 +130,24 @@ def test_local_prefill_when_no_pool_named(servers, expected) -> None:
     assert tokens == expected[0]
     assert decode.stats()["counters"]["local_prefill"] == 1
     assert "requests" not in prefill.stats()["counters"]
+    wait_all_free(prefill, decode)
+
+
+@pytest.mark.parametrize("pool", ["p", None])
+def test_a_whole_answer_spec_gets_the_first_token_then_the_rest_merged(
+    servers, expected, pool: str | None
+) -> None:
+    """`delta_interval_s` (a batch line, a response that is not streamed): remotely or
+    locally prefilled, the stream is the first token, then one delta with the rest."""
+    prefill, decode, _ = servers
+
+    async def run(spec: GenerationSpec) -> list[list[int]]:
+        return [list(delta.new_token_ids) async for delta in decode.generate(spec)]
+
+    spec = dataclasses.replace(spec_for(decode, 0, PROMPTS[1], pool), delta_interval_s=3600.0)
+    deltas = asyncio.run(run(spec))
+    assert [len(d) for d in deltas] == [1, len(expected[1]) - 1]
+    assert [t for d in deltas for t in d] == expected[1]
     wait_all_free(prefill, decode)
 
 
