@@ -20,6 +20,7 @@ import numpy as np
 import openai
 
 from bench.serve.capacity import Capacity, LoadPoint, closed_loop, find_saturation
+from bench.serve.sse import stream_completion
 from bench.serve.workloads import make_prompt
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -163,18 +164,18 @@ async def interactive_capacity(
     async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
 
         async def send(index: int) -> bool:
+            # Streamed, as the load generator sends them: a response that is not streamed
+            # costs the service less per token, and would overstate this load's capacity.
             body = {
                 "model": model,
                 "prompt": prompts[index % len(prompts)],
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
+                "stream": True,
             }
-            try:
-                response = await client.post("/v1/completions", json=body, headers=headers)
-            except httpx.HTTPError:
-                return False
-            return response.status_code == 200
+            streamed = await stream_completion(client, body, time.perf_counter(), headers)
+            return streamed.error is None and streamed.end_s is not None
 
         sent = 0
 
