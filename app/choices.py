@@ -47,6 +47,7 @@ async def pump_choice(
         prefill_pool=None if route.local_prefill else route.prefill_pool,
         timeout_s=prepared.deadline.remaining_s() if prepared.deadline else None,
         delta_interval_s=prepared.delta_interval_s,
+        spare=prepared.spare,
     )
     new_call_id()  # this choice's call must not share a routing id with its siblings
     stream = decode_handle.generate.remote(spec)

@@ -33,6 +33,8 @@ class PreparedRequest(RequestSpec):
     # Above 0: the decode pool sends its deltas merged, one per this many seconds at most
     # (a caller that reads only the whole answer: a batch line).
     delta_interval_s: float = 0.0
+    # Sent on an idle service (a batch line): `GenerationSpec.spare`.
+    spare: bool = False
     # Set when the fallback pool serves it (`app/routing/fallback.py`); shared by copies.
     served: Served = dataclasses.field(default_factory=Served)
 

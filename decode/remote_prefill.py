@@ -179,7 +179,7 @@ class RemotePrefill:
         default `deadline_s`); None: no room now."""
         loop = self.replica.loop
         request = self.replica.make_request(
-            spec, reservation.transfer_id, output_interval_s=spec.delta_interval_s
+            spec, reservation.transfer_id, output_interval_s=spec.delta_interval_s, spare=spec.spare
         )
         self.reservations.add(reservation)
         reserve = loop.call(partial(self.replica.engine.reserve_for_kv, request))

@@ -101,6 +101,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    # Threads of a step while every request held is `Request.spare` (None: num_threads)
+    spare_num_threads: int | None = None
     quantization: str | None = None  # "fp8" weights; None = as the checkpoint is stored
     # Ranks (devices) of one replica; > 1: worker processes in lockstep (`engine.tp_worker`)
     tensor_parallel_size: int = 1

@@ -70,6 +70,7 @@ class Engine:
     ) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        self._num_threads = torch.get_num_threads()  # outside spare steps (`_pick_threads`)
         self.config = config
         self.device = torch.device(config.device)
         self.model_dir = str(resolve_model_dir(config.model_dir))
@@ -153,9 +154,10 @@ class Engine:
         priority: int = 0,
         prefill_only: bool = False,
         output_interval_s: float = 0.0,
+        spare: bool = False,
     ) -> Request:
         """Validate and build a request (raises InvalidRequestError on bad input).
-        `output_interval_s`: `Request.output_interval_s`."""
+        `output_interval_s`, `spare`: those fields of `Request`."""
         token_ids = self.tokenize(prompt)
         check_prompt(token_ids, params, self.model_config.vocab_size, self.max_model_len)
         total = len(token_ids) + params.max_tokens
@@ -176,6 +178,7 @@ class Engine:
             arrival_time=time.monotonic(),
             prefill_only=prefill_only,
             output_interval_s=output_interval_s,
+            spare=spare,
         )
 
     def add_request(self, request: Request) -> None:
@@ -265,6 +268,7 @@ class Engine:
         only when the engine as a whole cannot go on.
         """
         start = time.perf_counter()
+        self._pick_threads()
         output = self.scheduler.schedule()
         num_prompt_tokens = sum(
             max(
@@ -302,6 +306,19 @@ class Engine:
                 message = f"request failed in the engine: {exc!r}"
                 deltas.append(self._fail(request, message, _may_stream_kv(item)))
         return deltas
+
+    def _pick_threads(self) -> None:
+        """`spare_num_threads` for this step if every request held is `spare` (sent with
+        nothing more important running, so the host's other replicas idle), else
+        `num_threads`. CPU, one process (TP ranks keep theirs)."""
+        spare = self.config.spare_num_threads
+        if spare is None or self.workers is not None or self.device.type != "cpu":
+            return
+        requests = self.scheduler.requests.values()
+        wide = bool(requests) and all(r.spare for r in requests)
+        threads = spare if wide else self._num_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _step_failed(self, output: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Charge a failed step to its requests: fail a lone one, quarantine several."""

@@ -289,6 +289,9 @@ class Request:
     # hands over this request's news merged, at most once per this many seconds
     # (`Engine._emit`).
     output_interval_s: float = 0.0
+    # Sent with nothing more important running: while every request the engine holds is
+    # spare, its steps may use `EngineConfig.spare_num_threads`.
+    spare: bool = False
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

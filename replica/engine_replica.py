@@ -194,10 +194,11 @@ class EngineReplica:
         request_id: str | None = None,
         prefill_only: bool = False,
         output_interval_s: float = 0.0,
+        spare: bool = False,
     ) -> Request:
         """`spec` as an engine request (under `request_id`, default `spec.request_id`),
         checked by `Engine.make_request`: raises `InvalidRequestError` on bad input.
-        `output_interval_s`: deltas merged at most that often (`Request.output_interval_s`)."""
+        `output_interval_s`, `spare`: those fields of `Request`."""
         return self.engine.make_request(
             list(spec.prompt_token_ids),
             spec.sampling_params,
@@ -206,6 +207,7 @@ class EngineReplica:
             priority=spec.priority,
             prefill_only=prefill_only,
             output_interval_s=output_interval_s,
+            spare=spare,
         )
 
     async def generate_whole(self, request: Request) -> AsyncIterator[RequestOutput]:

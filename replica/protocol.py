@@ -31,6 +31,9 @@ class GenerationSpec(RequestSpec):
     # Above 0: send this stream's deltas merged, at most one per this many seconds (a caller
     # that reads only the whole answer: `AsyncEngine.open_stream`).
     delta_interval_s: float = 0.0
+    # Sent with nothing more important running (a batch line on an idle service): the
+    # engine may give its steps the cores other replicas leave idle (`Request.spare`).
+    spare: bool = False
 
 
 @dataclass(frozen=True, slots=True)

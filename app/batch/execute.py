@@ -105,14 +105,14 @@ class LineExecutor:
         if request.stream:
             raise BadRequestError("a batch line cannot stream", param="stream")
         prepared = await self.frontend.admit(tenant, entry)
+        idle = self.idle()
         route = line_route(
-            prepared.route,
-            len(prepared.prompt_token_ids),
-            self.local_prefill_max_tokens,
-            self.idle(),
+            prepared.route, len(prepared.prompt_token_ids), self.local_prefill_max_tokens, idle
         )
+        # On an idle service a line may also take the cores idle replicas leave
+        # (`model.spare_num_threads`), until anything else reaches its replica.
         prepared = dataclasses.replace(
-            prepared, route=route, delta_interval_s=self.delta_interval_s
+            prepared, route=route, delta_interval_s=self.delta_interval_s, spare=idle
         )
         builder = builder_class(
             self.frontend.model_name,

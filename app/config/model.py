@@ -34,6 +34,12 @@ class EngineOverrides(_Strict):
     num_threads: int | None = Field(
         default=None, ge=1, description="Torch threads per replica of this pool."
     )
+    spare_num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Torch threads per replica of this pool while it runs "
+        "only batch lines sent on an idle service (see `model.spare_num_threads`).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +90,15 @@ class ModelSettings(_Strict):
         default=True, description="Reuse KV of shared prompt prefixes."
     )
     num_threads: int | None = Field(default=None, ge=1, description="Torch threads per replica.")
+    spare_num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Torch threads a replica's steps use while every request it holds is a "
+        "batch line the ingress sent with nothing more important running (the cores other "
+        "replicas leave idle then: a job on an idle service runs at the whole host's rate); "
+        "`num_threads` again from the step after anything else arrives. null: always "
+        "`num_threads`. CPU, tensor_parallel_size 1.",
+    )
     quantization: Literal["fp8"] | None = Field(
         default=None,
         description="fp8: decoder projections in float8_e4m3fn with per-output-channel scales "
@@ -162,6 +177,7 @@ class ModelSettings(_Strict):
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             num_threads=sizes.num_threads,
+            spare_num_threads=sizes.spare_num_threads,
             tensor_parallel_size=self.tensor_parallel_size,
             quantization=self.quantization,
             load_format=self.load_format,
