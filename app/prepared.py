@@ -30,8 +30,9 @@ class PreparedRequest(RequestSpec):
     route: RouteDecision  # its priority is the service class's
     service_class: ServiceClass = ServiceClass("default", 0)
     deadline: Deadline | None = None  # None: no deadline (callers that never set one)
-    # Above 0: the decode pool sends its deltas merged, one per this many seconds at most
-    # (a caller that reads only the whole answer: a batch line).
+    # Above 0: after the first token the decode pool sends its deltas merged, one per this
+    # many seconds at most (a caller that reads only the whole answer: a batch line, a
+    # response that is not streamed; `Engine._emit`).
     delta_interval_s: float = 0.0
     # Sent on an idle service (a batch line): `GenerationSpec.spare`.
     spare: bool = False

@@ -260,7 +260,8 @@ class Engine:
     # ---- the step --------------------------------------------------------------------
 
     def step(self, layer_hook_for: LayerHookFactory | None = None) -> list[RequestOutput]:
-        """Run one scheduler step; return a delta for every request that produced news.
+        """Run one scheduler step; return a delta for every request that produced news
+        (a request with `output_interval_s` gets none while its tokens are held).
 
         `layer_hook_for(output)` may return a hook called after each layer's K/V of this
         step are in the cache (the prefill pool streams KV out from there). A request that
@@ -403,15 +404,19 @@ class Engine:
 
     def _final(self, request: Request, error: str | None = None) -> RequestOutput:
         """The last delta of a request ended from outside a step (aborted, failed): with
-        the tokens still held for it, if any."""
+        the tokens still held for it, if any, and their text (as far as the tokenizer gets:
+        the request is forgotten whatever it raises)."""
         held = self._held.get(request.request_id)
         token_ids: list[int] = []
         text, logprobs = "", []
-        if held is not None and held.token_ids:
-            if error is None:
+        try:
+            if held is not None and held.token_ids:
+                token_ids, logprobs, text = held.token_ids, held.logprobs, held.text
                 text, _ = self._detokenize(request, held.text, held.take_undecoded())
-            token_ids, logprobs = held.token_ids, held.logprobs
-        self._forget(request.request_id)
+        except Exception:  # noqa: BLE001 - the ending must not fail: the ids still go out
+            logger.exception("request %s: text of its held tokens", request.request_id)
+        finally:
+            self._forget(request.request_id)
         return self._delta(request, token_ids, text, logprobs, error=error)
 
     def _delta(

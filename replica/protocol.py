@@ -29,7 +29,7 @@ class GenerationSpec(RequestSpec):
     # bounds the remote-prefill attempts (a duration, not a wall-clock instant).
     timeout_s: float | None = None
     # Above 0: send this stream's deltas merged, at most one per this many seconds (a caller
-    # that reads only the whole answer: `AsyncEngine.open_stream`).
+    # that reads only the whole answer; the first token still at once: `Engine._emit`).
     delta_interval_s: float = 0.0
     # Sent with nothing more important running (a batch line on an idle service): the
     # engine may give its steps the cores other replicas leave idle (`Request.spare`).

@@ -6,8 +6,8 @@ replica (`decode/server.py`) and a prefill replica of a pool with `serves_decode
 first holds one of the replica's `max_num_seqs` slots (`replica/slot_gate.py`: waiters
 admitted by priority, within the request's deadline), then its deltas flow through its
 `GenerationTrace` (spans, TTFT breakdown); the gaps between tokens feed the replica's ITL
-signal; a spec with `delta_interval_s` gets them merged by the engine thread
-(`AsyncEngine.open_stream`).
+signal (one-token deltas only); a spec with `delta_interval_s` gets them merged by the
+engine (`Engine._emit`).
 Event loop only.
 """
 
@@ -63,9 +63,9 @@ class Streams:
                         finish_reason = delta.finish_reason or finish_reason
                         if delta.new_token_ids:
                             now = time.perf_counter()
-                            if last_token_at is not None:
-                                gap_ms = (now - last_token_at) * 1000
-                                self.itl_ms.add(gap_ms / len(delta.new_token_ids))
+                            # Merged deltas (held output) say nothing of single gaps.
+                            if last_token_at is not None and len(delta.new_token_ids) == 1:
+                                self.itl_ms.add((now - last_token_at) * 1000)
                             last_token_at = now
                         yield delta
 

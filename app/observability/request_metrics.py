@@ -56,8 +56,10 @@ class RequestRecorder:
         if self.first_token_at is None:
             self.first_token_at = now
             metrics.observe("pdserve_ttft_seconds", now - self.started_at, self.labels)
-        if choice.last_token_at is not None:
-            gap = (now - choice.last_token_at) / len(delta.new_token_ids)
+        # A merged delta (held output: a response that is not streamed) says nothing of
+        # single gaps; TPOT still covers it.
+        if choice.last_token_at is not None and len(delta.new_token_ids) == 1:
+            gap = now - choice.last_token_at
             metrics.observe("pdserve_itl_seconds", gap, self.labels)
         if choice.first_token_at is None:
             choice.first_token_at = now

@@ -77,20 +77,22 @@ LAX = SLOTargets(ttft_s=60.0, tpot_s=60.0)
 
 def test_a_request_records_ttft_once_and_the_usage_token_counts(captured: Captured) -> None:
     recorder = RequestMetrics(LAX).start(LABELS, num_prompt_tokens=7)
-    for index in (0, 1):  # n=2: each choice streams 1 + 2 tokens
+    for index in (0, 1):  # n=2: each choice streams 1 + 1 + 2 tokens (the last merged)
         recorder.on_delta(index, delta([5], 1))
-        recorder.on_delta(index, delta([6, 7], 3, finished=True))
+        recorder.on_delta(index, delta([6], 2))
+        recorder.on_delta(index, delta([7, 8], 4, finished=True))
     recorder.finish(200)
     recorder.finish(200)  # idempotent
 
     assert LABELS == {"tenant": "acme", "class": "default", "prefill_pool": "short",
                       "decode_pool": "decode"}  # fmt: skip
     assert captured.count("pdserve_ttft_seconds") == 1
-    assert captured.count("pdserve_itl_seconds") == 2  # one per choice's second delta
+    # One per choice's second delta: a merged one says nothing of single gaps.
+    assert captured.count("pdserve_itl_seconds") == 2
     assert captured.count("pdserve_tpot_seconds") == 2
     assert captured.count("pdserve_e2e_latency_seconds") == 1
     assert captured.total("pdserve_prompt_tokens") == 7  # once, like usage.prompt_tokens
-    assert captured.total("pdserve_generated_tokens") == 6
+    assert captured.total("pdserve_generated_tokens") == 8
     assert captured.total("pdserve_requests", status="200") == 1
     assert captured.total("pdserve_good_requests") == 1
 

@@ -100,3 +100,29 @@ def test_an_aborted_held_request_hands_over_its_held_tokens(engine: Engine) -> N
     assert final.new_text  # the held tokens' text came with them
     assert not engine.has_unfinished
     assert engine.occupancy()["num_free_blocks"] == engine.occupancy()["num_blocks"]
+
+
+def test_a_held_request_failing_midway_hands_over_its_tokens_and_text(engine: Engine) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    streamed = whole(run(engine, params, 0.0, PROMPTS[1:2])[0])
+    request = engine.make_request(PROMPTS[1], params, output_interval_s=math.inf)
+    engine.add_request(request)
+    deltas = []
+    while request.num_output_tokens < 10:
+        deltas.extend(engine.step())
+    execute = engine.runner.execute
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected")
+
+    engine.runner.execute = broken  # type: ignore[method-assign]
+    try:
+        deltas.extend(engine.step())
+    finally:
+        engine.runner.execute = execute  # type: ignore[method-assign]
+    final = deltas[-1]
+    assert final.finished and final.error is not None
+    tokens = [t for d in deltas for t in d.new_token_ids]
+    assert tokens == streamed[0][:10]
+    assert "".join(d.new_text for d in deltas) == engine.tokenizer.decode(tokens)
+    assert engine.occupancy()["num_free_blocks"] == engine.occupancy()["num_blocks"]
