@@ -213,10 +213,13 @@ class EngineReplica:
     async def generate_whole(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Serve `request` whole on this engine: its prompt is computed here, then decoded;
         no KV transfer. Each prompt's rate (tokens computed over submit-to-first-token)
-        feeds `local_prefill`, from which the ingress weighs a local prefill's cost."""
+        feeds `local_prefill`, from which the ingress weighs a local prefill's cost (not a
+        spare request's: it may have run on more threads than others get)."""
         submitted = time.perf_counter()
+        timed = not request.spare
         async for delta in self.loop.generate(request):
-            if delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids):
+            first = delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids)
+            if timed and first:
                 # The first token: the prompt was computed (after any queueing) by now.
                 computed = len(request.prompt_token_ids) - delta.num_cached_tokens
                 self.local_prefill.add(computed, time.perf_counter() - submitted)

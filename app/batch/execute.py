@@ -63,6 +63,7 @@ class LineExecutor:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.idle: Callable[[], bool] = lambda: False
         self.token_strings = TokenStrings(frontend.tokenizer)
+        self._decode_pools = {p.name for p in frontend.config.pools_by_role("decode")}
         self._classes: dict[str, str | None] = {}
 
     def line_class(self, tenant: str) -> str | None:
@@ -109,10 +110,13 @@ class LineExecutor:
         route = line_route(
             prepared.route, len(prepared.prompt_token_ids), self.local_prefill_max_tokens, idle
         )
-        # On an idle service a line may also take the cores idle replicas leave
-        # (`model.spare_num_threads`), until anything else reaches its replica.
+        # On an idle service a line computed whole on a decode replica may also take the
+        # cores idle replicas leave (`model.spare_num_threads`), until anything else
+        # reaches that replica. Not one whose prompt a prefill replica computes meanwhile,
+        # nor one moved whole onto a prefill pool (that replica's neighbour would widen too).
+        spare = idle and route.local_prefill and route.decode_pool in self._decode_pools
         prepared = dataclasses.replace(
-            prepared, route=route, delta_interval_s=self.delta_interval_s, spare=idle
+            prepared, route=route, delta_interval_s=self.delta_interval_s, spare=spare
         )
         builder = builder_class(
             self.frontend.model_name,

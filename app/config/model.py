@@ -37,8 +37,8 @@ class EngineOverrides(_Strict):
     spare_num_threads: int | None = Field(
         default=None,
         ge=1,
-        description="Torch threads per replica of this pool while it runs "
-        "only batch lines sent on an idle service (see `model.spare_num_threads`).",
+        description="Torch threads per replica of this pool while it runs only batch lines "
+        "sent on an idle service (see `model.spare_num_threads`; CPU, one process).",
     )
 
     @model_validator(mode="before")

@@ -232,6 +232,25 @@ class PDServeConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_spare_threads(self) -> PDServeConfig:
+        for pool in self.pools:
+            config = self.engine_config(pool)
+            spare = config.spare_num_threads
+            if spare is None:
+                continue
+            if config.device != "cpu" or config.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"pool {pool.name!r}: spare_num_threads is for CPU replicas of one "
+                    "process (device cpu, tensor_parallel_size 1)"
+                )
+            if config.num_threads is not None and spare < config.num_threads:
+                raise ValueError(
+                    f"pool {pool.name!r}: spare_num_threads ({spare}) below num_threads "
+                    f"({config.num_threads}): spare steps would run narrower"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check_exposure(self) -> PDServeConfig:
         """Secure defaults for a listener other machines can reach."""
         if self.http.is_loopback:

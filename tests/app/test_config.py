@@ -323,6 +323,19 @@ INVALID: list[tuple[str, Callable[[Config], object], str]] = [
     ("port", lambda c: c.update(http={"port": 70000}), "less than or equal to 65535"),
     ("route prefix", lambda c: c.update(route_prefix="v1"), "should match pattern"),
     ("threshold", lambda c: c.update(local_prefill_threshold=-1), "greater than or equal"),
+    (
+        "spare threads on cuda",
+        lambda c: [
+            c.update(model={"device": "cuda", "spare_num_threads": 2}),
+            *(pool.update(num_gpus=0.25) for pool in c["pools"]),
+        ],
+        "spare_num_threads is for CPU replicas",
+    ),
+    (
+        "spare threads below num_threads",
+        lambda c: c.update(model={"num_threads": 4, "spare_num_threads": 2}),
+        r"spare_num_threads \(2\) below num_threads \(4\)",
+    ),
 ]
 
 
