@@ -9,7 +9,7 @@ included) the route would send. Any error becomes its status code and OpenAI err
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,11 +110,7 @@ class LineExecutor:
         route = line_route(
             prepared.route, len(prepared.prompt_token_ids), self.local_prefill_max_tokens, idle
         )
-        # On an idle service a line computed whole on a decode replica may also take the
-        # cores idle replicas leave (`model.spare_num_threads`), until anything else
-        # reaches that replica. Not one whose prompt a prefill replica computes meanwhile,
-        # nor one moved whole onto a prefill pool (that replica's neighbour would widen too).
-        spare = idle and route.local_prefill and route.decode_pool in self._decode_pools
+        spare = line_is_spare(route, idle, self._decode_pools)
         prepared = dataclasses.replace(
             prepared, route=route, delta_interval_s=self.delta_interval_s, spare=spare
         )
@@ -154,6 +150,15 @@ def line_route(
         computes=None,
         reason=f"{route.reason}; a batch line on an idle service: prefilled where it decodes",
     )
+
+
+def line_is_spare(route: RouteDecision, idle: bool, decode_pools: Collection[str]) -> bool:
+    """Whether a line on `route` may take the cores idle replicas leave
+    (`GenerationSpec.spare`, `model.spare_num_threads`): sent on an idle service and
+    computed whole on a decode pool. Not a line whose prompt a prefill replica computes
+    meanwhile, nor one moved whole onto a prefill pool (decode overflow: its neighbour
+    would widen too)."""
+    return idle and route.local_prefill and route.decode_pool in decode_pools
 
 
 def _entry(

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.batch.execute import line_route
+from app.batch.execute import line_is_spare, line_route
 from app.batch.pacing import Load, Pacer, queued_ahead
 from app.batch.upload import read_upload
 from app.config import BatchSettings
@@ -101,3 +101,14 @@ def test_short_lines_prefill_where_they_decode_only_when_idle() -> None:
     assert line_route(placed, 64, 0, idle=True) is placed  # turned off
     already = RouteDecision(None, "decode", True, 10, "under 32 tokens")
     assert line_route(already, 8, 1024, idle=True) is already
+
+
+def test_only_idle_lines_computed_whole_on_a_decode_pool_are_spare() -> None:
+    placed = RouteDecision("short", "decode", False, 10, "64 tokens: short")
+    local = line_route(placed, 64, 1024, idle=True)
+    pools = {"decode"}
+    assert line_is_spare(local, idle=True, decode_pools=pools)
+    assert not line_is_spare(local, idle=False, decode_pools=pools)  # something else runs
+    assert not line_is_spare(placed, idle=True, decode_pools=pools)  # a prefill pool computes
+    overflowed = RouteDecision(None, "short", True, 10, "decode overflow onto short")
+    assert not line_is_spare(overflowed, idle=True, decode_pools=pools)  # a prefill replica
