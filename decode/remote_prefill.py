@@ -178,9 +178,7 @@ class RemotePrefill:
         """Reserve the attempt's blocks and open its ticket (deadline `window_s` from now,
         default `deadline_s`); None: no room now."""
         loop = self.replica.loop
-        request = self.replica.make_request(
-            spec, reservation.transfer_id, output_interval_s=spec.delta_interval_s, spare=spec.spare
-        )
+        request = self.replica.make_request(spec, reservation.transfer_id)
         self.reservations.add(reservation)
         reserve = loop.call(partial(self.replica.engine.reserve_for_kv, request))
         try:

@@ -185,9 +185,7 @@ class DecodeServer:
     async def _deltas(
         self, spec: GenerationSpec, timeline: GenerationTrace
     ) -> AsyncGenerator[RequestOutput, None]:
-        request = self.replica.make_request(
-            spec, output_interval_s=spec.delta_interval_s, spare=spec.spare
-        )
+        request = self.replica.make_request(spec)
         timeline.local_request = request
         remote = None if spec.prefill_pool is None else self.remote
         if remote is not None and self._suffix_is_short(request):

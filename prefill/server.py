@@ -201,9 +201,7 @@ class PrefillServer:
     async def _generate(
         self, spec: GenerationSpec, timeline: GenerationTrace
     ) -> AsyncGenerator[RequestOutput, None]:
-        request = self.replica.make_request(
-            spec, output_interval_s=spec.delta_interval_s, spare=spec.spare
-        )
+        request = self.replica.make_request(spec)
         timeline.local_request = request
         counters = self.replica.counters
         counters["whole_requests"] += 1

@@ -25,6 +25,7 @@ from engine.kv_cache import KVCache
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestSpec
 from replica.prefix_digest import PrefixDigest
+from replica.protocol import GenerationSpec
 from replica.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
@@ -189,16 +190,15 @@ class EngineReplica:
         }
 
     def make_request(
-        self,
-        spec: RequestSpec,
-        request_id: str | None = None,
-        prefill_only: bool = False,
-        output_interval_s: float = 0.0,
-        spare: bool = False,
+        self, spec: RequestSpec, request_id: str | None = None, prefill_only: bool = False
     ) -> Request:
         """`spec` as an engine request (under `request_id`, default `spec.request_id`),
-        checked by `Engine.make_request`: raises `InvalidRequestError` on bad input.
-        `output_interval_s`, `spare`: those fields of `Request`."""
+        checked by `Engine.make_request`: raises `InvalidRequestError` on bad input. A
+        `GenerationSpec`'s `delta_interval_s` and `spare` become the request's
+        `output_interval_s` and `spare`."""
+        interval_s, spare = 0.0, False
+        if isinstance(spec, GenerationSpec):
+            interval_s, spare = spec.delta_interval_s, spec.spare
         return self.engine.make_request(
             list(spec.prompt_token_ids),
             spec.sampling_params,
@@ -206,7 +206,7 @@ class EngineReplica:
             tenant=spec.tenant,
             priority=spec.priority,
             prefill_only=prefill_only,
-            output_interval_s=output_interval_s,
+            output_interval_s=interval_s,
             spare=spare,
         )
 
