@@ -6,14 +6,21 @@ for a streaming read on a Xeon), and takes a slower path still on AMD. Why not o
 bfloat16 uses (`engine.kernels.linear`): it sums in another order, and float32 greedy output
 must stay token-identical to `transformers`, whose `F.linear` is MKL's GEMM.
 
-So this kernel sums in MKL's order. On AVX-512 Xeons, for 16 rows and more, MKL's sum over
-`k` of `x[i, k] * W[j, k]` splits the range in halves (the first half the shorter one)
-until a part has at most `KC_LEAF` terms, sums each part with fused multiply-adds from
-zero, in order, and adds the parts in turn onto the bias (where there is one): bit for bit
-the `small` model's projections at every row count of 16 and more that was tried
-(tests/kernels/test_gemm_f32.py checks it against torch where MKL runs it). Where MKL
-splits one sum between its threads instead (some shapes and row counts), it adds the
-parts in another order and results differ in the last bits, as oneDNN's would everywhere.
+So this kernel sums in MKL's order, which depends on the processor MKL runs on. MKL's sum
+over `k` of `x[i, k] * W[j, k]` (for 4 rows and more) is a sequence of chains, each summed
+with fused multiply-adds from zero, in order, and added in turn onto the bias (where there
+is one). Where the chains fall differs (`ORDERS`):
+
+- Intel (AVX-512 Xeons): the range is cut in halves (the first half the shorter one) until
+  a part has at most 384 terms;
+- AMD (Zen 4, AVX-512): runs of 192 terms from `k = 0`.
+
+At load the kernel finds which: it runs torch's `F.linear` (what `transformers` runs) and
+itself under each known order on a probe, and keeps the order that is equal bit for bit
+(`order`). Where none is, it does not run (`available` is False) and float32 projections
+stay with torch, exact and slower. Where MKL runs a GEMV instead (fewer than 4 rows) or
+splits one sum between its threads (some shapes and row counts), it adds in another order,
+and results differ in the last bits, as oneDNN's would everywhere.
 
 Layout (`pack`): the `[in, out]` weight is cut into blocks of `BLOCK_COLS` output columns,
 each stored contiguously as `[in, BLOCK_COLS]` (the last block zero-padded), so one block's
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -33,29 +41,77 @@ from engine.kernels.cpu_info import cpu_info
 from engine.kernels.native import kernel_source, labelled, load_library
 
 BLOCK_COLS = 48
-KC_LEAF = 384
+# MKL's orders (chain length, halves or runs): Intel AVX-512 Xeons, AMD Zen 4
+ORDERS = ((384, True), (192, False))
+# probe of `_find_order`: rows, and reduction lengths on which the orders differ
+_PROBE_ROWS = 16
+_PROBE_KS = (576, 1536)
 
 _SOURCE = kernel_source("gemm_f32.c")
 
 
 @functools.cache
-def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C kernel (built on first call), or None: no AVX-512, no compiler, not Linux."""
+def _library() -> ctypes.CDLL | None:
     if not cpu_info().avx512:
         return None
     # the sums' order is the point: no reassociation of the pairwise adds
     lib = load_library("gemm_f32", _SOURCE, ("-fno-associative-math", "-ffp-contract=off"))
     if lib is None:
         return None
-    fn = lib.pd_gemm_f32
     ptr = ctypes.c_void_p
-    fn.argtypes = [ctypes.c_int64] * 3 + [ptr] * 4 + [ctypes.c_int]
-    fn.restype = None
-    return fn
+    lib.pd_gemm_f32.argtypes = [ctypes.c_int64] * 3 + [ptr] * 4 + [ctypes.c_int]
+    lib.pd_gemm_f32.restype = None
+    lib.pd_gemm_f32_set_order.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.pd_gemm_f32_set_order.restype = None
+    return lib
+
+
+_order_lock = threading.Lock()
+
+
+@functools.cache
+def order() -> tuple[int, bool] | None:
+    """The entry of `ORDERS` in which torch's float32 matmul sums on this machine, set in
+    the kernel; None where the kernel cannot run or no known order is torch's."""
+    lib = _library()
+    if lib is None:
+        return None
+    with _order_lock:  # the probe sets the kernel's order: one prober at a time
+        found = _find_order(lib)
+        lib.pd_gemm_f32_set_order(*((found[0], int(found[1])) if found else (0, 1)))
+    return found
+
+
+def _find_order(lib: ctypes.CDLL) -> tuple[int, bool] | None:
+    gen = torch.Generator().manual_seed(0)
+    probes = []
+    for k in _PROBE_KS:
+        x = torch.randn(_PROBE_ROWS, k, generator=gen)
+        weight = torch.randn(2 * BLOCK_COLS, k, generator=gen) * 0.05
+        bias = torch.randn(2 * BLOCK_COLS, generator=gen)
+        probes.append((x, weight, bias, torch.nn.functional.linear(x, weight, bias)))
+    for candidate in ORDERS:
+        lib.pd_gemm_f32_set_order(candidate[0], int(candidate[1]))
+        if all(
+            torch.equal(_run(lib.pd_gemm_f32, x, pack(w.t()), w.shape[0], b), expected)
+            for x, w, b, expected in probes
+        ):
+            return candidate
+    return None
+
+
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The C kernel with MKL's order set (built on first call), or None: no AVX-512, no
+    compiler, not Linux, or torch sums in an order the kernel does not know."""
+    if order() is None:
+        return None
+    lib = _library()
+    return None if lib is None else lib.pd_gemm_f32
 
 
 def available() -> bool:
-    """Whether `gemm` runs here (x86-64 with AVX-512 and a C compiler)."""
+    """Whether `gemm` runs here: x86-64 with AVX-512, a C compiler, and torch's float32
+    matmul in a known order (`order`)."""
     return _kernel() is not None
 
 
@@ -91,18 +147,29 @@ def gemm(
         raise TypeError(f"gemm takes float32, got x {x.dtype}, weight {packed.dtype}")
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
         raise ValueError(f"bias must be [{out_features}] float32, got {tuple(bias.shape)}")
+    with labelled("gemm_f32"):
+        return _run(kernel, x, packed, out_features, bias)
+
+
+def _run(
+    kernel: ctypes._CFuncPtr,  # type: ignore[name-defined]
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     x = x.contiguous()
+    rows, k = x.shape
     y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows:
-        with labelled("gemm_f32"):
-            kernel(
-                rows,
-                k,
-                out_features,
-                x.data_ptr(),
-                packed.data_ptr(),
-                None if bias is None else bias.contiguous().data_ptr(),
-                y.data_ptr(),
-                torch.get_num_threads(),
-            )
+        kernel(
+            rows,
+            k,
+            out_features,
+            x.data_ptr(),
+            packed.data_ptr(),
+            None if bias is None else bias.contiguous().data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        )
     return y

@@ -3,8 +3,8 @@
 `packing` picks, per weight, one of three packed forms (or none):
 
 - `"f32"`: float32 on x86-64 with AVX-512, the C GEMM of `engine.kernels.gemm_f32`, which
-  sums in the order of MKL's (so float32 greedy output stays token-identical to
-  `transformers`) and streams a decode step's weights at several times MKL's rate.
+  sums in the order of MKL's on this CPU (so float32 greedy output stays token-identical
+  to `transformers`) and streams a decode step's weights at several times MKL's rate.
 - `"bf16"`: bfloat16 on x86-64 with AMX or AVX512-BF16, the C GEMM of
   `engine.kernels.gemm_bf16`, which the fused decode step calls from C (oneDNN's opaque
   layout only torch can call).
@@ -15,15 +15,12 @@ CPU's widest instructions (AVX-512, AVX512-BF16, AMX); `linear` then runs one on
 matmul per call with no reorder. oneDNN picks its kernels by instruction set, not by CPU
 vendor, so Intel and AMD processors with the same instructions take the same fast path.
 
-`uses_onednn` says where a model's projections go through it:
-
-- bfloat16: always where oneDNN has bf16 kernels (AMX on Intel, AVX512-BF16 on AMD); torch's
-  own bf16 matmul also ends in oneDNN, but reorders the weight on every call.
-- float32: on every CPU but Intel's with MKL. There MKL (`linear_ref`, torch's matmul)
-  is as fast for a decode step's rows and sums in the order `transformers`' `F.linear`
-  does (bit for bit on a Xeon), which keeps float32 greedy output token-exact over long
-  generations; oneDNN sums in another order (a few ulps). On AMD MKL takes a slow path for
-  these few-row GEMMs, so oneDNN's speed wins there.
+`uses_onednn` says where a model's projections go through it: bfloat16, where oneDNN has
+bf16 kernels (AMX on Intel, AVX512-BF16 on AMD); torch's own bf16 matmul also ends in
+oneDNN, but reorders the weight on every call. Never float32: oneDNN sums in another order
+than MKL (a few ulps), and float32 greedy output must stay token-exact over long
+generations; where the C GEMM cannot run in MKL's order, float32 stays with torch
+(`linear_ref`).
 
 Elsewhere (CUDA, float16, no oneDNN) callers use `linear_ref`.
 """
@@ -35,7 +32,6 @@ from typing import Literal
 import torch
 
 from engine.kernels import gemm_bf16, gemm_f32
-from engine.kernels.cpu_info import cpu_info
 
 Packing = Literal["f32", "bf16", "onednn"]
 
@@ -56,13 +52,9 @@ def can_pack(weight_t: torch.Tensor) -> bool:
 
 
 def uses_onednn(weight_t: torch.Tensor) -> bool:
-    """Whether a model's projection with this weight should run packed (see the module
-    docstring for why float32 on Intel stays with MKL)."""
-    if not can_pack(weight_t):
-        return False
-    if weight_t.dtype == torch.float32:
-        return not (torch.backends.mkl.is_available() and cpu_info().intel)
-    return True
+    """Whether a model's projection with this weight should run packed by oneDNN: bfloat16
+    only (see the module docstring for why float32 never does)."""
+    return can_pack(weight_t) and weight_t.dtype == torch.bfloat16
 
 
 def packing(weight_t: torch.Tensor) -> Packing | None:

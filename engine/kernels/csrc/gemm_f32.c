@@ -4,7 +4,6 @@
 
 #define NB 48          /* output columns per packed block: three vectors of 16 */
 #define MR 8           /* rows per register tile */
-#define KC_LEAF 384    /* longest run of k summed in one chain (MKL's order) */
 #define X_CHUNK_BYTES (1 << 20) /* rows of x that stay in L2 while a thread's blocks pass */
 #define PF_K 16        /* rows of its block a row tile prefetches ahead */
 
@@ -55,9 +54,29 @@ static void leaf_any(int R, int nv, int k0, int k1, const float* x, int64_t ldx,
   else { LEAF_CASES(1) }
 }
 
-/* The leaves of [0, K): halves (the first the shorter) until at most KC_LEAF long. */
+/* The order of the sums over k (MKL's, which depends on the CPU it runs on; set once by
+   engine/kernels/gemm_f32.py): chains of at most `leaf_len` terms, cut in halves (the first
+   the shorter) until short enough (`leaf_halves`, Intel) or in runs of `leaf_len` from k = 0
+   (AMD). */
+static int leaf_len = 384;
+static int leaf_halves = 1;
+
+void pd_gemm_f32_set_order(int len, int halves) {
+  if (len > 0) leaf_len = len;
+  leaf_halves = halves != 0;
+}
+
+/* Upper bound on the number of leaves of a range of K terms. */
+static int max_leaves(int64_t K) { return (int)(2 * K / leaf_len + 2); }
+
+/* The leaves' ends of [k0, k1) into `ends` from index n; returns the new count. */
 static int leaf_bounds(int k0, int k1, int* ends, int n) {
-  if (k1 - k0 > KC_LEAF) {
+  if (!leaf_halves) {
+    for (int k = k0 + leaf_len; k < k1; k += leaf_len) ends[n++] = k;
+    ends[n] = k1;
+    return n + 1;
+  }
+  if (k1 - k0 > leaf_len) {
     int mid = k0 + (k1 - k0) / 2;
     n = leaf_bounds(k0, mid, ends, n);
     return leaf_bounds(mid, k1, ends, n);
@@ -71,7 +90,7 @@ static int leaf_bounds(int k0, int k1, int* ends, int n) {
 void pd_gemm_f32(int64_t M, int64_t K, int64_t N, const float* x, const float* wp,
                  const float* bias, float* y, int threads) {
   int64_t nblocks = (N + NB - 1) / NB;
-  int ends[64];
+  int ends[max_leaves(K)];
   int nleaves = leaf_bounds(0, (int)K, ends, 0);
   int64_t row_chunk = X_CHUNK_BYTES / (K * 4) / MR * MR;
   if (row_chunk < MR) row_chunk = MR;
