@@ -133,9 +133,14 @@ def pack(weight_t: torch.Tensor) -> torch.Tensor:
 
 
 def gemm(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`x @ W + bias` for `x` `[rows, in]` float32 and `packed` from `pack` (`W` `[in, out]`)."""
+    """`x @ W + bias` for `x` `[rows, in]` float32 and `packed` from `pack` (`W` `[in, out]`),
+    into `out` (contiguous `[rows, out_features]` float32) where given."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the float32 GEMM kernel is not available on this machine")
@@ -147,8 +152,12 @@ def gemm(
         raise TypeError(f"gemm takes float32, got x {x.dtype}, weight {packed.dtype}")
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != torch.float32):
         raise ValueError(f"bias must be [{out_features}] float32, got {tuple(bias.shape)}")
+    if out is not None and (
+        out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous [{rows}, {out_features}] float32 tensor")
     with labelled("gemm_f32"):
-        return _run(kernel, x, packed, out_features, bias)
+        return _run(kernel, x, packed, out_features, bias, out)
 
 
 def _run(
@@ -157,10 +166,11 @@ def _run(
     packed: torch.Tensor,
     out_features: int,
     bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     x = x.contiguous()
     rows, k = x.shape
-    y = torch.empty(rows, out_features, dtype=torch.float32)
+    y = torch.empty(rows, out_features, dtype=torch.float32) if out is None else out
     if rows:
         kernel(
             rows,

@@ -117,6 +117,18 @@ def test_rejects_what_it_cannot_run() -> None:
         gemm_f32.pack(torch.randn(4, 4, dtype=torch.bfloat16))
 
 
+def test_writes_into_a_given_output() -> None:
+    x, weight_t, b = _operands(9, 100, 50, bias=True, seed=3)
+    packed = gemm_f32.pack(weight_t)
+    out = torch.full((9, 50), float("nan"))
+    assert gemm_f32.gemm(x, packed, 50, b, out) is out
+    assert torch.equal(out, gemm_f32.gemm(x, packed, 50, b))
+    wrong_dtype = torch.empty(9, 50, dtype=torch.float64)
+    for bad in (torch.empty(9, 51), torch.empty(50, 9).t(), wrong_dtype):
+        with pytest.raises(ValueError, match="out must be"):
+            gemm_f32.gemm(x, packed, 50, b, bad)
+
+
 def test_calls_are_labelled_for_the_profiler() -> None:
     """`bench engine --profile` sees the C kernel's time (ctypes calls are otherwise not
     events of torch's profiler)."""

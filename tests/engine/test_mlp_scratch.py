@@ -1,0 +1,75 @@
+"""The MLP's gate/up output goes into a per-thread scratch buffer where the float32 C GEMM
+runs (so a prefill does not fault in fresh pages for it every layer): the result is the
+same as with a fresh tensor, the buffer is reused, and an oversized one is not kept."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine import model as model_module
+from engine.config import ModelConfig
+from engine.kernels import gemm_f32
+from engine.model import MLP
+from engine.parallel import single
+
+pytestmark = pytest.mark.skipif(
+    not gemm_f32.available(), reason="the scratch serves the float32 C GEMM only"
+)
+
+
+def _mlp() -> MLP:
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=144,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+    )
+    torch.manual_seed(0)
+    mlp = MLP(config, single(config))
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    for proj in (mlp.gate_up_proj, mlp.down_proj):
+        proj.pack()
+    assert mlp.gate_up_proj.packing == "f32"
+    return mlp
+
+
+def test_same_output_with_and_without_the_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    mlp = _mlp()
+    x = torch.randn(37, 96)
+    with torch.no_grad():
+        with_scratch = mlp(x)
+        buf = model_module._scratch.buf
+        assert buf.numel() >= 37 * 2 * 144
+        again = mlp(torch.randn(5, 96))  # a smaller call reuses the same buffer
+        assert model_module._scratch.buf is buf and again.shape == (5, 96)
+        monkeypatch.setattr(model_module._Scratch, "MAX_BYTES", 0)
+        without = mlp(x)
+    assert torch.equal(with_scratch, without)
+
+
+def test_each_thread_has_its_own_buffer() -> None:
+    mlp = _mlp()
+    x = torch.randn(8, 96)
+    with torch.no_grad():
+        mlp(x)
+    main_buf = model_module._scratch.buf
+    seen: list[torch.Tensor] = []
+
+    def run() -> None:
+        with torch.no_grad():
+            mlp(x)
+        seen.append(model_module._scratch.buf)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=60)
+    assert seen and seen[0] is not main_buf
