@@ -89,24 +89,25 @@ class RotaryEmbedding(nn.Module):
 
 
 class _Scratch(threading.local):
-    """One float32 buffer per thread for the gate/up projection's output, which the gate
-    reads at once and nothing keeps: a prefill's (tens of MB at thousands of tokens) is
-    above the size from which glibc maps fresh pages for each allocation, and faulting them
-    in cost ~20 ms of each 90 ms gate/up GEMM of `small` at 4,096 tokens (a Zen 4). Up to
-    `MAX_BYTES`, larger ones are allocated each time."""
+    """Float32 buffers per thread for the MLP's temporaries (the gate/up projection's
+    output and the gate's), each read by the next op and kept by nothing: a prefill's (tens
+    of MB at thousands of tokens) are above the size from which glibc maps fresh pages for
+    each allocation, and faulting them in cost ~20 of each 90 ms gate/up GEMM of `small`
+    at 4,096 tokens (a Zen 4). Up to `MAX_BYTES` each; larger ones are allocated each time."""
 
     MAX_BYTES = 256 << 20
 
     def __init__(self) -> None:
-        self.buf = torch.empty(0)
+        self.bufs: dict[str, torch.Tensor] = {}
 
-    def take(self, rows: int, cols: int) -> torch.Tensor | None:
+    def take(self, name: str, rows: int, cols: int) -> torch.Tensor | None:
         numel = rows * cols
         if numel * 4 > self.MAX_BYTES:
             return None
-        if self.buf.numel() < numel:
-            self.buf = torch.empty(numel)
-        return self.buf[:numel].view(rows, cols)
+        buf = self.bufs.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.bufs[name] = torch.empty(numel)
+        return buf[:numel].view(rows, cols)
 
 
 _scratch = _Scratch()
@@ -262,11 +263,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
-        out = None
-        if isinstance(proj, Linear) and proj.packing == "f32":
-            out = _scratch.take(x.shape[0], 2 * self.intermediate_size)
-        gate_up = proj(x) if out is None else proj(x, out)
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(gate_up)))
+        if not (isinstance(proj, Linear) and proj.packing == "f32"):
+            return self.tp.all_reduce(self.down_proj(silu_and_mul(proj(x))))
+        rows, inter = x.shape[0], self.intermediate_size
+        gate_up = proj(x, _scratch.take("gate_up", rows, 2 * inter))
+        act = silu_and_mul(gate_up, _scratch.take("act", rows, inter))
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):

@@ -149,9 +149,9 @@ def exact_float32_gate(inter: int) -> bool:
     return _X86 and inter % 16 == 0
 
 
-def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """`silu(gate) * up` of a float32 or bfloat16 `[T, 2 * inter]` gate/up output; None
-    where it cannot run."""
+def silu_mul_cpu(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`silu(gate) * up` of a float32 or bfloat16 `[T, 2 * inter]` gate/up output (into
+    `out`, contiguous `[T, inter]` of its dtype, where given); None where it cannot run."""
     lib = _library()
     if lib is None or gate_up.dtype not in _FLOATS or not _rows_ok(gate_up):
         return None
@@ -160,7 +160,12 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     inter = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    if out is None:
+        out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    elif out.shape != (gate_up.shape[0], inter) or out.dtype != gate_up.dtype:
+        raise ValueError(f"out must be [{gate_up.shape[0]}, {inter}] {gate_up.dtype}")
+    elif not out.is_contiguous():
+        raise ValueError("out must be contiguous")
     fn = getattr(lib, f"pd_silu_mul_{_SUFFIX[gate_up.dtype]}")
     with labelled("silu_mul"):
         fn(gate_up.shape[0], inter, gate_up.data_ptr(), gate_up.stride(0), out.data_ptr())

@@ -94,11 +94,11 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x * cos + rotated * sin
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(gate) * up` of a fused gate/up projection `[num_tokens, 2 * inter]` (gate the
-    first half); a C kernel on the CPU, else the torch form."""
+    first half); a C kernel on the CPU (into `out` where given), else the torch form."""
     if gate_up.device.type == "cpu":
-        fused = silu_mul_cpu(gate_up)
+        fused = silu_mul_cpu(gate_up, out)
         if fused is not None:
             return fused
     return silu_and_mul_ref(gate_up)

@@ -1,6 +1,7 @@
-"""The MLP's gate/up output goes into a per-thread scratch buffer where the float32 C GEMM
-runs (so a prefill does not fault in fresh pages for it every layer): the result is the
-same as with a fresh tensor, the buffer is reused, and an oversized one is not kept."""
+"""The MLP's temporaries (gate/up output, gate output) go into per-thread scratch buffers
+where the float32 C GEMM runs (so a prefill does not fault in fresh pages for them every
+layer): the result is the same as with fresh tensors, the buffers are reused, and
+oversized ones are not kept."""
 
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ def test_same_output_with_and_without_the_scratch(monkeypatch: pytest.MonkeyPatc
     x = torch.randn(37, 96)
     with torch.no_grad():
         with_scratch = mlp(x)
-        buf = model_module._scratch.buf
-        assert buf.numel() >= 37 * 2 * 144
-        again = mlp(torch.randn(5, 96))  # a smaller call reuses the same buffer
-        assert model_module._scratch.buf is buf and again.shape == (5, 96)
+        bufs = dict(model_module._scratch.bufs)
+        assert bufs["gate_up"].numel() >= 37 * 2 * 144 and bufs["act"].numel() >= 37 * 144
+        again = mlp(torch.randn(5, 96))  # a smaller call reuses the same buffers
+        assert all(model_module._scratch.bufs[k] is v for k, v in bufs.items())
+        assert again.shape == (5, 96)
         monkeypatch.setattr(model_module._Scratch, "MAX_BYTES", 0)
         without = mlp(x)
     assert torch.equal(with_scratch, without)
@@ -61,13 +63,13 @@ def test_each_thread_has_its_own_buffer() -> None:
     x = torch.randn(8, 96)
     with torch.no_grad():
         mlp(x)
-    main_buf = model_module._scratch.buf
+    main_buf = model_module._scratch.bufs["gate_up"]
     seen: list[torch.Tensor] = []
 
     def run() -> None:
         with torch.no_grad():
             mlp(x)
-        seen.append(model_module._scratch.buf)
+        seen.append(model_module._scratch.bufs["gate_up"])
 
     thread = threading.Thread(target=run)
     thread.start()
