@@ -106,7 +106,7 @@ class _Scratch(threading.local):
             return None
         buf = self.bufs.get(name)
         if buf is None or buf.numel() < numel:
-            buf = self.bufs[name] = torch.empty(numel)
+            buf = self.bufs[name] = torch.empty(numel, dtype=torch.float32)
         return buf[:numel].view(rows, cols)
 
 

@@ -121,11 +121,13 @@ class _Step(ctypes.Structure):
 
 @functools.cache
 def _driver() -> tuple[ctypes._CFuncPtr, _Kernels] | None:  # type: ignore[name-defined]
-    """The driver and the kernels it calls, or None where one of them is not built here."""
+    """The driver and the kernels it calls, or None where one of them is not built here.
+    The float32 GEMM may be missing (torch sums in an order it does not know): the
+    bfloat16 step does not call it, and `build` runs a float32 one only with it."""
     gemm = gemm_f32._kernel()
     elementwise = cpu_elementwise._library()
     attention = _kernels() or {}
-    if gemm is None or elementwise is None or torch.float32 not in attention:
+    if elementwise is None or torch.float32 not in attention:
         return None
     lib = load_library("decode_layers", kernel_source("decode_layers.c"))
     if lib is None:
@@ -234,7 +236,7 @@ class DecodeLayers:
             for layer in decoder
             for p in _projections(layer)
         }
-        if packings == {"f32"}:
+        if packings == {"f32"} and driver[1].gemm:
             dtype, bf16 = torch.float32, False
         elif packings == {"bf16"} and driver[1].gemm_bf16 and driver[1].attention_bf16:
             dtype, bf16 = torch.bfloat16, True

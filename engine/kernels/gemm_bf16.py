@@ -18,10 +18,11 @@ columns, each stored contiguously as `in / 32` steps of two B tiles; a B tile is
 rows (`k`, `k + 1`) of 16 columns, the pair's two values side by side (AMX's VNNI order,
 which is also `vdpbf16ps`'s: one tile row is one vector). `in` must be a multiple of 32
 (`can_pack`); the last block's missing columns are zero. Threads (OpenMP, torch's runtime)
-take column blocks; rows go in 16-row tiles (32 on AMX where there are enough), in chunks
-that stay in L2 while a thread's blocks pass over them. Products of bfloat16 values are
-exact in float32; sums run in tile order, so results differ from oneDNN's or torch's in the
-last bits of float32 (tests/kernels/test_gemm_bf16.py).
+take column blocks; rows go in 16-row tiles on AMX (32 where there are enough), in 8-row
+tiles of a whole block's 32 columns on AVX512-BF16 (one broadcast of x serves two
+`vdpbf16ps`), in chunks that stay in L2 while a thread's blocks pass over them. Products
+of bfloat16 values are exact in float32; sums run in tile order, so results differ from
+oneDNN's or torch's in the last bits of float32 (tests/kernels/test_gemm_bf16.py).
 
 `PDSERVE_BF16_GEMM` picks the kernel ("amx", "avx512") or turns both off ("off": bfloat16
 projections go back to oneDNN and the layer-by-layer step).

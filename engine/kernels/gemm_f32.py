@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import threading
 
 import torch
@@ -48,6 +49,8 @@ _PROBE_ROWS = 16
 _PROBE_KS = (576, 1536)
 
 _SOURCE = kernel_source("gemm_f32.c")
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -67,19 +70,29 @@ def _library() -> ctypes.CDLL | None:
 
 
 _order_lock = threading.Lock()
+_order: list[tuple[int, bool] | None] = []  # the probe's result, once it has run
 
 
-@functools.cache
 def order() -> tuple[int, bool] | None:
     """The entry of `ORDERS` in which torch's float32 matmul sums on this machine, set in
-    the kernel; None where the kernel cannot run or no known order is torch's."""
-    lib = _library()
-    if lib is None:
-        return None
-    with _order_lock:  # the probe sets the kernel's order: one prober at a time
-        found = _find_order(lib)
-        lib.pd_gemm_f32_set_order(*((found[0], int(found[1])) if found else (0, 1)))
-    return found
+    the kernel; None where the kernel cannot run or no known order is torch's. The probe
+    runs once per process (it sets the kernel's order while it tries each)."""
+    if _order:
+        return _order[0]
+    with _order_lock:
+        if not _order:
+            lib = _library()
+            found = None if lib is None else _find_order(lib)
+            if lib is not None:
+                default = found or ORDERS[0]  # a known order in the kernel, whatever it is
+                lib.pd_gemm_f32_set_order(default[0], int(default[1]))
+                if found is None:
+                    logger.warning(
+                        "float32 C GEMM: torch sums in none of its known orders here; "
+                        "float32 projections run torch's matmul (exact, slower)"
+                    )
+            _order.append(found)
+    return _order[0]
 
 
 def _find_order(lib: ctypes.CDLL) -> tuple[int, bool] | None:

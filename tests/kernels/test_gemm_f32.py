@@ -41,8 +41,9 @@ def test_bit_for_bit_with_mkl(rows: int, bias: bool, shape: tuple[int, int]) -> 
 
 def _chains_reference(x, weight_t, bias, length: int, halves: bool) -> torch.Tensor:
     """`x @ W + bias` summed in one of `ORDERS`: each chain a sequence of fused multiply-adds
-    from zero (a float32 product is exact in float64, so one rounding per step, as FMA),
-    the chains added in turn onto the bias."""
+    from zero (a float32 product is exact in float64; the float64 add then rounds to
+    float32, which differs from one FMA's rounding only on rare double-rounding ties: none
+    on these seeded operands), the chains added in turn onto the bias."""
 
     def bounds(k0: int, k1: int) -> list[tuple[int, int]]:
         if not halves:

@@ -54,32 +54,31 @@ static void leaf_any(int R, int nv, int k0, int k1, const float* x, int64_t ldx,
   else { LEAF_CASES(1) }
 }
 
-/* The order of the sums over k (MKL's, which depends on the CPU it runs on; set once by
-   engine/kernels/gemm_f32.py): chains of at most `leaf_len` terms, cut in halves (the first
-   the shorter) until short enough (`leaf_halves`, Intel) or in runs of `leaf_len` from k = 0
-   (AMD). */
-static int leaf_len = 384;
-static int leaf_halves = 1;
+/* The order of the sums over k (MKL's, which depends on the CPU it runs on; set by
+   engine/kernels/gemm_f32.py once its probe has found it): chains of at most `len` terms,
+   cut in halves (the first the shorter) until short enough (`halves`, Intel) or in runs
+   of `len` from k = 0 (AMD). One word, `len << 1 | halves`, read once per call, so a call
+   never sees half of a change. */
+static int order_word = 384 << 1 | 1;
 
 void pd_gemm_f32_set_order(int len, int halves) {
-  if (len > 0) leaf_len = len;
-  leaf_halves = halves != 0;
+  if (len > 0) __atomic_store_n(&order_word, len << 1 | (halves != 0), __ATOMIC_RELAXED);
 }
 
 /* Upper bound on the number of leaves of a range of K terms. */
-static int max_leaves(int64_t K) { return (int)(2 * K / leaf_len + 2); }
+static int max_leaves(int64_t K, int len) { return (int)(2 * K / len + 2); }
 
 /* The leaves' ends of [k0, k1) into `ends` from index n; returns the new count. */
-static int leaf_bounds(int k0, int k1, int* ends, int n) {
-  if (!leaf_halves) {
-    for (int k = k0 + leaf_len; k < k1; k += leaf_len) ends[n++] = k;
+static int leaf_bounds(int k0, int k1, int len, int halves, int* ends, int n) {
+  if (!halves) {
+    for (int k = k0 + len; k < k1; k += len) ends[n++] = k;
     ends[n] = k1;
     return n + 1;
   }
-  if (k1 - k0 > leaf_len) {
+  if (k1 - k0 > len) {
     int mid = k0 + (k1 - k0) / 2;
-    n = leaf_bounds(k0, mid, ends, n);
-    return leaf_bounds(mid, k1, ends, n);
+    n = leaf_bounds(k0, mid, len, halves, ends, n);
+    return leaf_bounds(mid, k1, len, halves, ends, n);
   }
   ends[n] = k1;
   return n + 1;
@@ -90,8 +89,10 @@ static int leaf_bounds(int k0, int k1, int* ends, int n) {
 void pd_gemm_f32(int64_t M, int64_t K, int64_t N, const float* x, const float* wp,
                  const float* bias, float* y, int threads) {
   int64_t nblocks = (N + NB - 1) / NB;
-  int ends[max_leaves(K)];
-  int nleaves = leaf_bounds(0, (int)K, ends, 0);
+  const int word = __atomic_load_n(&order_word, __ATOMIC_RELAXED);
+  const int len = word >> 1, halves = word & 1;
+  int ends[max_leaves(K, len)];
+  int nleaves = leaf_bounds(0, (int)K, len, halves, ends, 0);
   int64_t row_chunk = X_CHUNK_BYTES / (K * 4) / MR * MR;
   if (row_chunk < MR) row_chunk = MR;
   #pragma omp parallel num_threads(threads)
