@@ -11,7 +11,7 @@ import torch
 
 from engine.builtin import write_builtin_model
 from engine.engine import Engine
-from engine.kernels import decode_layers, gemm_bf16
+from engine.kernels import decode_layers, gemm_bf16, gemm_f32
 from engine.kernels.decode_layers import DecodeLayers
 from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
@@ -130,6 +130,25 @@ def test_bfloat16_fused_decode_is_closer_to_exact_arithmetic(
     ).float()
     reference = exact(*step, KVCache(replace(spec, dtype="float32"), filled.float()), metadata)
     assert (fused - reference).norm() < (layered - reference).norm()
+
+
+def test_bfloat16_fused_step_needs_no_float32_gemm(
+    bf16_engine: Engine, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the float32 GEMM does not run (torch sums in an order it does not know), the
+    bfloat16 step, which never calls it, is still fused; a float32 one is not."""
+    monkeypatch.setattr(gemm_f32, "_kernel", lambda: None)
+    decode_layers._driver.cache_clear()
+    try:
+        driver = decode_layers._driver()
+        assert driver is not None and not driver[1].gemm
+        spec = bf16_engine.kv_spec
+        cache = KVCache(spec, torch.zeros(spec.flat_shape, dtype=torch.bfloat16))
+        assert DecodeLayers.build(bf16_engine.model, cache) is not None
+        f32 = KVCache(engine.kv_spec, torch.zeros(engine.kv_spec.flat_shape))
+        assert DecodeLayers.build(engine.model, f32) is None
+    finally:
+        decode_layers._driver.cache_clear()  # rebuilt with the real kernel after the patch
 
 
 def test_steps_the_fused_path_leaves_to_the_layers(engine: Engine) -> None:
