@@ -262,12 +262,12 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        proj = self.gate_up_proj
-        if not (isinstance(proj, Linear) and proj.packing == "f32"):
-            return self.tp.all_reduce(self.down_proj(silu_and_mul(proj(x))))
-        rows, inter = x.shape[0], self.intermediate_size
-        gate_up = proj(x, _scratch.take("gate_up", rows, 2 * inter))
-        act = silu_and_mul(gate_up, _scratch.take("act", rows, inter))
+        proj, rows, inter = self.gate_up_proj, x.shape[0], self.intermediate_size
+        if isinstance(proj, Linear) and proj.packing == "f32":
+            gate_up = proj(x, _scratch.take("gate_up", rows, 2 * inter))
+            act = silu_and_mul(gate_up, _scratch.take("act", rows, inter))
+        else:
+            act = silu_and_mul(proj(x))
         return self.tp.all_reduce(self.down_proj(act))
 
 

@@ -102,12 +102,13 @@ def _find_order(lib: ctypes.CDLL) -> tuple[int, bool] | None:
         x = torch.randn(_PROBE_ROWS, k, generator=gen)
         weight = torch.randn(2 * BLOCK_COLS, k, generator=gen) * 0.05
         bias = torch.randn(2 * BLOCK_COLS, generator=gen)
-        probes.append((x, weight, bias, torch.nn.functional.linear(x, weight, bias)))
+        expected = torch.nn.functional.linear(x, weight, bias)
+        probes.append((x, pack(weight.t()), bias, expected))
     for candidate in ORDERS:
         lib.pd_gemm_f32_set_order(candidate[0], int(candidate[1]))
         if all(
-            torch.equal(_run(lib.pd_gemm_f32, x, pack(w.t()), w.shape[0], b), expected)
-            for x, w, b, expected in probes
+            torch.equal(_run(lib.pd_gemm_f32, x, packed, 2 * BLOCK_COLS, b), expected)
+            for x, packed, b, expected in probes
         ):
             return candidate
     return None

@@ -179,7 +179,6 @@ static inline __attribute__((always_inline)) void attend_avx512(
             const int64_t m = n - j0 < 16 ? n - j0 : 16;
             const char* rows = kc + ((table[b] * block_size + j0) * kv_stride) * esize;
             for (int64_t hk = 0; hk < num_kv_heads; hk++) {
-                /* the 16 keys of this kv head as float32 (bf16 converted once, not per head) */
                 for (int j = 0; j < 16; j++)
                     for (int64_t off = 0; off < row_bytes; off += 64) {
                         const int64_t at = ((j0 + j) * kv_stride + hk * head_dim) * esize + off;
@@ -217,6 +216,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
                     continue;
                 }
 #endif
+                /* the 16 keys of this kv head as float32 (bf16 converted once, not per head) */
                 const float* kt;
                 if (bf16) {
                     for (int j = 0; j < 16; j++)
