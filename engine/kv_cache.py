@@ -33,6 +33,10 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: str  # "float32" | "bfloat16" | "float16" | "float8_e4m3fn"
+    # A tensor-parallel replica's cache: `num_layers` is the model's layers x this, each item
+    # `num_kv_heads` wide (the widest rank's heads) out of the model's `model_kv_heads`.
+    tensor_parallel_size: int = 1
+    model_kv_heads: int | None = None  # None: num_kv_heads (tensor_parallel_size 1)
 
     @classmethod
     def for_model(
@@ -70,6 +74,8 @@ class KVCacheSpec:
             num_kv_heads=probe.num_kv_heads,
             head_dim=probe.head_dim,
             dtype=dtype,
+            tensor_parallel_size=size,
+            model_kv_heads=model_config.num_key_value_heads,
         )
 
     @classmethod
@@ -82,6 +88,14 @@ class KVCacheSpec:
             kv_storage_dtype(config.cache.kv_cache_dtype, model_config.dtype),
             config.tensor_parallel_size,
         )
+
+    @property
+    def num_model_layers(self) -> int:
+        return self.num_layers // self.tensor_parallel_size
+
+    @property
+    def num_model_kv_heads(self) -> int:
+        return self.num_kv_heads if self.model_kv_heads is None else self.model_kv_heads
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,7 +32,13 @@ FILE_PREFIX = "pdtp-"  # our files: unlinked as soon as every rank has mapped th
 
 def rank_spec(spec: KVCacheSpec, shard: Shard) -> KVCacheSpec:
     """The spec of one rank's own cache, given the replica-wide `spec`."""
-    return replace(spec, num_layers=spec.num_layers // shard.size, num_kv_heads=len(shard.kv_heads))
+    return replace(
+        spec,
+        num_layers=spec.num_layers // shard.size,
+        num_kv_heads=len(shard.kv_heads),
+        tensor_parallel_size=1,
+        model_kv_heads=None,
+    )
 
 
 def rank_view(full: KVCache, shard: Shard) -> KVCache:

@@ -21,8 +21,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
 import torch
 
+from engine.config import DTYPE_BYTES
 from engine.kv_cache import KVCacheSpec
 
 # The cache layout both ends assume, `[layers, 2 (K, V), blocks, slots, kv_heads, head_dim]`:
@@ -30,7 +32,7 @@ from engine.kv_cache import KVCacheSpec
 KV_MEMORY_LAYOUT = "layer.kv.block.slot.head.dim/v1"
 
 ReleaseFn = Callable[[str], None]
-BlockIds = Sequence[int] | torch.Tensor
+BlockIds = Sequence[int] | torch.Tensor | np.ndarray
 
 
 class TransferState(enum.Enum):
@@ -145,7 +147,11 @@ def error_from_wire(obj: dict[str, object], context: str) -> KVTransferError:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """What both ends must agree on for blocks to be byte-compatible."""
+    """What both ends must agree on for blocks to be byte-compatible, except
+    `tensor_parallel_size`: a sender re-shards KV heads into a receiver of another TP size
+    (`kvtransfer.reshard`). The geometry is the model's (`num_layers` layers of
+    `num_kv_heads` heads); a replica of TP size N holds `num_items` = layers x N items, each
+    `head_slots` heads wide (rank r's heads of layer l in item l x N + r, `engine.parallel`)."""
 
     model_id: str  # model name or fingerprint (weights + config)
     dtype: str
@@ -154,16 +160,42 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     memory_layout: str = KV_MEMORY_LAYOUT
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_spec(cls, spec: KVCacheSpec, model_id: str) -> KVLayout:
-        geometry = (spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        return cls(model_id, spec.dtype, *geometry)
+        geometry = (spec.block_size, spec.num_model_layers, spec.num_model_kv_heads, spec.head_dim)
+        return cls(model_id, spec.dtype, *geometry, tensor_parallel_size=spec.tensor_parallel_size)
+
+    @property
+    def num_items(self) -> int:
+        """Per-(layer, rank) items of the cache: what LAYER frames number."""
+        return self.num_layers * self.tensor_parallel_size
+
+    @property
+    def head_slots(self) -> int:
+        """KV heads each item has room for (the widest rank's share)."""
+        return -(-self.num_kv_heads // self.tensor_parallel_size)
+
+    @property
+    def item_block_shape(self) -> tuple[int, int, int]:
+        """One block of one item's K (or V): `[block_size, head_slots, head_dim]`."""
+        return (self.block_size, self.head_slots, self.head_dim)
+
+    @property
+    def bytes_per_block_per_item(self) -> int:
+        return self.block_size * self.head_slots * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes of one block across all items."""
+        return 2 * self.num_items * self.bytes_per_block_per_item
 
     def differences(self, other: KVLayout) -> dict[str, tuple[object, object]]:
-        """Fields that differ, as `{field: (self's value, other's value)}`."""
+        """Fields that differ and cannot be bridged, as `{field: (self's value, other's
+        value)}` (a different `tensor_parallel_size` is re-sharded, so never listed)."""
         pairs = ((f.name, getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
-        return {name: (a, b) for name, a, b in pairs if a != b}
+        return {name: (a, b) for name, a, b in pairs if a != b and name != "tensor_parallel_size"}
 
     def check_matches(self, other: KVLayout, ours: str = "local", theirs: str = "remote") -> None:
         """Raise `KVLayoutMismatchError` listing every differing field."""
@@ -179,9 +211,13 @@ class KVLayout:
         handshake)."""
         given = obj if isinstance(obj, dict) else {}
         try:
-            return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+            layout = cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
         except TypeError:
             raise ProtocolError("malformed layout in the handshake") from None
+        size, heads = layout.tensor_parallel_size, layout.num_kv_heads
+        if not (isinstance(size, int) and isinstance(heads, int) and 1 <= size <= heads):
+            raise ProtocolError(f"malformed layout: tensor_parallel_size {size!r}, {heads!r} heads")
+        return layout
 
 
 @dataclass(frozen=True, slots=True)

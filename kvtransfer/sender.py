@@ -53,6 +53,10 @@ from kvtransfer.wire import Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
 
+# Backends whose sender reaches every rank's KV of its replica (one CPU buffer), so it can
+# re-shard into a receiver of another TP size (`kvtransfer.reshard`).
+RESHARDING_BACKENDS = ("shm", "tcp")
+
 
 class RejectedError(KVTransferError):
     """The receiver refused or ended the transfer; `state` is the state it reported."""
@@ -124,20 +128,29 @@ class Sender(Endpoint):
         """Called by the prefill model runner right after layer `layer` is computed, with
         that layer's caches and the request's blocks in the ticket's order. Returns at once
         (the worker moves the layer during the next layer's compute); the blocks must stay
-        untouched until `release`. ValueError: a caller bug; transfer problems end it."""
+        untouched until `release`. ValueError: a caller bug; transfer problems end it.
+
+        `layer` numbers the receiver's items (`ticket.layout.num_items`) and the caches
+        have its geometry: this cache's own items when both TP sizes agree, else the
+        items `kvtransfer.reshard` builds (any number of rows, `src_block_ids` into them)."""
         if self.closed:
             raise RuntimeError("sender is closed")
-        if not 0 <= layer < self.spec.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.spec.num_layers})")
-        shape, dtype = (self.spec.num_blocks, *self.spec.block_shape), self.spec.torch_dtype
+        if self._record(ticket) is None:  # the transfer ended (or its layout is refused)
+            return
+        dst = ticket.layout
+        if not 0 <= layer < dst.num_items:
+            raise ValueError(f"layer {layer} out of range [0, {dst.num_items})")
+        shape, dtype = dst.item_block_shape, self.spec.torch_dtype
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"{name} is {tuple(t.shape)}/{t.dtype}, not {shape}/{dtype}")
+            if tuple(t.shape[1:]) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name} is {tuple(t.shape)}/{t.dtype}, not [*, {shape}]/{dtype}")
         if len(src_block_ids) != ticket.num_blocks:
             raise ValueError(f"{len(src_block_ids)} source blocks, ticket {ticket.num_blocks}")
-        if self._record(ticket) is not None:  # else the transfer already ended
-            ids, ready = as_id_array(src_block_ids), self._writing.ready(k_cache)
-            self._queue.put(LayerItem(ticket, layer, k_cache, v_cache, ids, ready))
+        ids = as_id_array(src_block_ids)
+        if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < len(k_cache):
+            raise ValueError(f"source blocks outside the caches' {len(k_cache)} rows")
+        ready = self._writing.ready(k_cache)
+        self._queue.put(LayerItem(ticket, layer, k_cache, v_cache, ids, ready))
 
     def finish(self, ticket: Ticket) -> None:
         """Called by prefill after the last `send_layer`; non-blocking. The transfer turns
@@ -174,7 +187,11 @@ class Sender(Endpoint):
                 raise ValueError(f"{ticket.request_id!r} has an open transfer, another ticket")
             record = TransferRecord(ticket.request_id, ticket.block_ids, ticket.expires_at, ticket)
             self._table.add(record)
-        if diffs := self.layout.differences(ticket.layout):
+        diffs = self.layout.differences(ticket.layout)
+        size = (self.layout.tensor_parallel_size, ticket.layout.tensor_parallel_size)
+        if size[0] != size[1] and self.backend not in RESHARDING_BACKENDS:
+            diffs["tensor_parallel_size"] = size  # per-rank endpoints: not built (GPU shards)
+        if diffs:
             failure = KVLayoutMismatchError(diffs, "sender", "ticket")
             self._table.finish(ticket.request_id, TransferState.FAILED, failure)
             return None
@@ -256,7 +273,7 @@ class Sender(Endpoint):
             for done in batch:
                 self._table.mark_layer(record, done.layer)
         else:
-            num_layers = self.spec.num_layers
+            num_layers = ticket.layout.num_items
             conn.fs.send(Kind.FINISH, ticket.request_id, epoch=ticket.epoch, layer=num_layers)
 
     def _begin(self, conn: Connection, record: TransferRecord, ticket: Ticket) -> None:
@@ -357,7 +374,7 @@ class Sender(Endpoint):
             conn.welcome = auth.sender_handshake(conn.fs, endpoint, self.layout, secret)
             conn.fs.limit_reads(None)
             try:
-                layout = KVLayout.from_dict(conn.welcome["layout"])
+                layout = conn.layout = KVLayout.from_dict(conn.welcome["layout"])
                 conn.epoch = int(str(conn.welcome["epoch"]))
                 conn.num_blocks = int(str(conn.welcome["num_blocks"]))
             except (TypeError, KeyError, ValueError):

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtransfer.base import (
+    KVLayout,
     KVTransferError,
     PeerLostError,
     PeerTimeoutError,
@@ -268,9 +269,10 @@ class Connection:
         self.last_used = time.monotonic()  # last frame read, or (sender) use or PING
         self.thread: threading.Thread | None = None  # reads this connection's frames
         self.state: dict[str, object] = {}  # data path's per-connection state
-        # Sender side: the receiver's WELCOME, its incarnation and cache size, and BEGINs
-        # awaiting an answer.
+        # Sender side: the receiver's WELCOME, its layout, incarnation and cache size, and
+        # BEGINs awaiting an answer.
         self.welcome: dict[str, object] = {}
+        self.layout: KVLayout | None = None
         self.epoch, self.num_blocks = 0, 0
         self.pending: dict[str, Future[None]] = {}
 

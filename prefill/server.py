@@ -24,11 +24,14 @@ from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
 from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
+from kvtransfer.reshard import Resharding
 from prefill.trace import PrefillTrace
 from replica.engine_replica import EngineReplica, ObserverFactory
 from replica.generation_trace import GenerationTrace
@@ -78,6 +81,7 @@ class PrefillServer:
             host=source_host if backend == "tcp" else None,
         )
         self._tickets: dict[str, Ticket] = {}
+        self._reshardings: dict[int, Resharding] = {}  # by the decode replicas' TP size
         self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for
         self._ttft_ms = RecentSamples()  # autoscaling signals (event loop only)
@@ -234,16 +238,31 @@ class PrefillServer:
         if not sends:
             return None
         kv = self.engine.kv_cache
+        size = self.sender.layout.tensor_parallel_size
 
         def hook(layer: int) -> None:
             for ticket, block_ids in sends:
-                self.sender.send_layer(
-                    ticket, layer, kv.key_caches[layer], kv.value_caches[layer], block_ids
-                )
+                if ticket.layout.tensor_parallel_size == size:
+                    self.sender.send_layer(
+                        ticket, layer, kv.key_caches[layer], kv.value_caches[layer], block_ids
+                    )
+                elif layer % size == 0:  # every rank has written model layer layer // size
+                    self._send_resharded(ticket, layer // size, block_ids)
             for timeline in timelines:
                 timeline.layer_sent()
 
         return hook
+
+    def _send_resharded(self, ticket: Ticket, layer: int, block_ids: Sequence[int]) -> None:
+        """Engine thread: model layer `layer` of `ticket`'s blocks into a decode replica of
+        another TP size, re-sharded to its items (`kvtransfer.reshard`)."""
+        key = ticket.layout.tensor_parallel_size
+        if (resharding := self._reshardings.get(key)) is None:
+            resharding = self._reshardings[key] = Resharding(self.sender.layout, ticket.layout)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        rows = np.arange(len(ids), dtype=np.int64)
+        for item, k, v in resharding.items(self.engine.kv_cache, layer, ids):
+            self.sender.send_layer(ticket, item, k, v, rows)
 
     def _on_release(self, request_id: str) -> None:
         """Sender thread: the transfer ended; free the source blocks on the engine thread."""

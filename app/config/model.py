@@ -19,7 +19,8 @@ class EngineOverrides(_Strict):
     """Engine sizes one pool sets differently from `model` (unset = `model`'s value).
 
     Only sizes may differ: model, dtype, block size and the rest stay in `model`, so every
-    pool's KV layout agrees and blocks transfer between them as they are.
+    pool's KV layout agrees and blocks transfer between them as they are (a different TP
+    size is re-sharded by KV head on the way, `kvtransfer.reshard`).
     """
 
     kv_cache_bytes: int | None = Field(
@@ -40,17 +41,15 @@ class EngineOverrides(_Strict):
         description="Torch threads per replica of this pool while it runs only batch lines "
         "sent on an idle service (see `model.spare_num_threads`; CPU, one process).",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_tensor_parallel(cls, data: object) -> object:
-        if isinstance(data, dict) and "tensor_parallel_size" in data:
-            raise ValueError(
-                "tensor_parallel_size is set once, in `model`, not per pool: prefill and "
-                "decode pools must use the same TP size (the KV shard of prefill rank i "
-                "moves to decode rank i)"
-            )
-        return data
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Ranks one replica of this pool shards the model over (see "
+        "`model.tensor_parallel_size`): prefill wide for TTFT, decode narrow for more "
+        "replicas. KV heads are re-sharded as they move between pools of different sizes "
+        "(CPU, shm and tcp transfer).",
+    )
 
     def set_fields(self) -> dict[str, int]:
         """The overrides given (field -> value), without the unset ones."""
@@ -117,7 +116,7 @@ class ModelSettings(_Strict):
         le=64,
         description="Ranks one replica shards the model over (Megatron-style, KV split by "
         "KV head): GPUs on cuda (set each pool's num_gpus to it), worker processes on cpu. "
-        "Shared by every pool, so KV moves from prefill rank i to decode rank i.",
+        "A pool may set its own (`engine.tensor_parallel_size`).",
     )
     load_format: Literal["auto", "dummy"] = Field(
         default="auto",
@@ -178,7 +177,7 @@ class ModelSettings(_Strict):
             ),
             num_threads=sizes.num_threads,
             spare_num_threads=sizes.spare_num_threads,
-            tensor_parallel_size=self.tensor_parallel_size,
+            tensor_parallel_size=sizes.tensor_parallel_size,
             quantization=self.quantization,
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,

@@ -215,9 +215,9 @@ class PDServeConfig(_Strict):
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> PDServeConfig:
         for pool in self.pools:
-            model = self.model_settings(pool)
-            size = model.tensor_parallel_size
-            if size == 1 or model.device != "cuda":
+            config = self.engine_config(pool)
+            size = config.tensor_parallel_size
+            if size == 1 or config.device != "cuda":
                 continue
             if pool.num_gpus < size:
                 raise ValueError(

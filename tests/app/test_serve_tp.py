@@ -147,13 +147,20 @@ def test_killed_replica_leaves_no_worker(server: Server, tp1_texts: list[str]) -
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
-def test_tp2_servers_in_process_equal_tp1(
-    model_dir: Path, tp1_texts: list[str], backend: str
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
+def test_tp_servers_in_process_equal_tp1(
+    model_dir: Path, tp1_texts: list[str], backend: str, prefill_tp: int, decode_tp: int
 ) -> None:
-    config = EngineConfig(model_dir=str(model_dir), num_threads=1, tensor_parallel_size=2)
-    prefill = PrefillServer(config, backend=backend)
+    """Prefill TP=a into decode TP=b: KV heads re-sharded on the way when a != b."""
+
+    def config(size: int) -> EngineConfig:
+        return EngineConfig(model_dir=str(model_dir), num_threads=1, tensor_parallel_size=size)
+
+    prefill = PrefillServer(config(prefill_tp), backend=backend)
     handle = InProcessHandle(prefill)
-    decode = DecodeServer(config, backend=backend, prefill_pools={"p": handle}, deadline_s=60)
+    decode = DecodeServer(
+        config(decode_tp), backend=backend, prefill_pools={"p": handle}, deadline_s=60
+    )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
     async def text(i: int, prompt: str) -> str:
@@ -180,24 +187,22 @@ def test_tp2_servers_in_process_equal_tp1(
 # ---- configuration ----------------------------------------------------------------------
 
 
-def test_tp_size_is_one_setting_for_both_pools() -> None:
-    with pytest.raises(ValidationError, match="same TP size"):
-        PDServeConfig.model_validate(
-            {
-                "model": {"tensor_parallel_size": 2},
-                "pools": [
-                    {"name": "p", "role": "prefill", "engine": {"tensor_parallel_size": 4}},
-                    {"name": "d", "role": "decode"},
-                ],
-            }
-        )
+def test_a_pool_may_set_its_own_tp_size() -> None:
     config = PDServeConfig.model_validate(
         {
             "model": {"tensor_parallel_size": 2},
-            "pools": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}],
+            "pools": [
+                {"name": "p", "role": "prefill", "engine": {"tensor_parallel_size": 4}},
+                {"name": "d", "role": "decode"},
+            ],
         }
     )
-    assert {config.engine_config(p).tensor_parallel_size for p in config.pools} == {2}
+    sizes = {p.name: config.engine_config(p).tensor_parallel_size for p in config.pools}
+    assert sizes == {"p": 4, "d": 2}
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        PDServeConfig.model_validate(
+            {"pools": [{"name": "d", "role": "decode", "engine": {"tensor_parallel_size": 0}}]}
+        )
 
 
 def test_cuda_tp_needs_a_gpu_per_rank_and_serves_colocated() -> None:

@@ -264,7 +264,9 @@ def test_caller_bugs_raise_value_errors(pair: Pair) -> None:
     with pytest.raises(ValueError, match="source blocks"):
         pair.sender.send_layer(ticket, 0, k, v, [0])
     with pytest.raises(ValueError, match="k_cache"):
-        pair.sender.send_layer(ticket, 0, k[:3], v, [0, 1])
+        pair.sender.send_layer(ticket, 0, k[:, :1].contiguous(), v, [0, 1])
+    with pytest.raises(ValueError, match="source blocks outside"):
+        pair.sender.send_layer(ticket, 0, k[:3], v[:3], [0, 3])
     with pytest.raises(ValueError):
         pair.receiver.open_ticket("bad", [1, 1], 10.0)
     with pytest.raises(ValueError):
