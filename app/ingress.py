@@ -32,6 +32,7 @@ from app.admission.classes import requested_class
 from app.admission.deadlines import requested_timeout
 from app.batch import routes as batch_routes
 from app.batch.fleet import batch_service
+from app.batch.service import BatchService
 from app.builders import ChatBuilder, CompletionBuilder, TokenStrings
 from app.config import PDServeConfig
 from app.errors import (
@@ -132,9 +133,11 @@ class Ingress:
         self.readiness = Readiness(
             own_app_name(), self.pools, observe=self.frontend.telemetry.cost.observe_replicas
         )
+        self.batch: BatchService | None = None
         if self.config.batch.enabled:  # jobs of the store run here while this replica holds them
-            batch = batch_service(self.config, self.frontend, self.pools)
-            batch_routes.bind(batch, self.frontend.authenticate, self.config.limits.max_body_bytes)
+            self.batch = batch_service(self.config, self.frontend, self.pools)
+            limit = self.config.limits.max_body_bytes
+            batch_routes.bind(self.batch, self.frontend.authenticate, limit)
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -307,13 +310,16 @@ class Ingress:
         """Extension: routing decisions and each pool's KV occupancy (one replica each; a
         pool that does not answer within `STATS_TIMEOUT_S` shows `{"error": ...}`), this
         ingress's TTFT breakdown (p50/p90 by phase; `?since=<Unix s>` limits it to requests
-        finished since) and unit cost. With tenants configured, only admin keys may read it."""
+        finished since), unit cost, and its batch jobs' pacing (`batch`). With tenants
+        configured, only admin keys may read it."""
         self.frontend.check_admin(_api_key(request))
         since = _since(request)
         await self.readiness.is_ready()  # refreshes the replica counts behind unit cost
         report = {"routing": self.frontend.routing_report(), "pools": await self._pool_stats()}
         if self.quota_service is not None:
             report["quotas"] = await self._quota_stats()
+        if self.batch is not None:
+            report["batch"] = self.batch.report()
         report.update(self.frontend.telemetry.report(since))
         return report
 

@@ -191,11 +191,13 @@ class KVLayout:
         """K and V bytes of one block across all items."""
         return 2 * self.num_items * self.bytes_per_block_per_item
 
-    def differences(self, other: KVLayout) -> dict[str, tuple[object, object]]:
-        """Fields that differ and cannot be bridged, as `{field: (self's value, other's
-        value)}` (a different `tensor_parallel_size` is re-sharded, so never listed)."""
+    def differences(
+        self, other: KVLayout, bridged: tuple[str, ...] = ("tensor_parallel_size",)
+    ) -> dict[str, tuple[object, object]]:
+        """Fields that differ, as `{field: (self's value, other's value)}`, except the
+        `bridged` ones (by default the TP size, which a sender re-shards)."""
         pairs = ((f.name, getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
-        return {name: (a, b) for name, a, b in pairs if a != b and name != "tensor_parallel_size"}
+        return {name: (a, b) for name, a, b in pairs if a != b and name not in bridged}
 
     def check_matches(self, other: KVLayout, ours: str = "local", theirs: str = "remote") -> None:
         """Raise `KVLayoutMismatchError` listing every differing field."""

@@ -69,12 +69,20 @@ class Resharding:
         written the layer."""
         a, b = self.src.tensor_parallel_size, self.dst.tensor_parallel_size
         index = torch.from_numpy(np.ascontiguousarray(block_ids, dtype=np.int64))
+        # each source item's blocks gathered once: [n, block_size, slots_a, head_dim]
+        gathered = [
+            (
+                cache.key_caches[layer * a + rank].index_select(0, index),
+                cache.value_caches[layer * a + rank].index_select(0, index),
+            )
+            for rank in range(a)
+        ]
         shape = (len(index), *self.dst.item_block_shape)
         for rank in range(b):
             k = torch.zeros(shape, dtype=cache.spec.torch_dtype)
             v = torch.zeros(shape, dtype=cache.spec.torch_dtype)
             for piece in self.pieces(rank):
-                item = layer * a + piece.src_rank
-                for out, src in ((k, cache.key_caches[item]), (v, cache.value_caches[item])):
-                    out[:, :, piece.dst_slots] = src.index_select(0, index)[:, :, piece.src_slots]
+                src_k, src_v = gathered[piece.src_rank]
+                k[:, :, piece.dst_slots] = src_k[:, :, piece.src_slots]
+                v[:, :, piece.dst_slots] = src_v[:, :, piece.src_slots]
             yield layer * b + rank, k, v

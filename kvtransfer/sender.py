@@ -189,7 +189,10 @@ class Sender(Endpoint):
             self._table.add(record)
         diffs = self.layout.differences(ticket.layout)
         size = (self.layout.tensor_parallel_size, ticket.layout.tensor_parallel_size)
-        if size[0] != size[1] and self.backend not in RESHARDING_BACKENDS:
+        heads = ticket.layout.num_kv_heads
+        if size[0] != size[1] and (
+            self.backend not in RESHARDING_BACKENDS or not 1 <= size[1] <= heads
+        ):
             diffs["tensor_parallel_size"] = size  # per-rank endpoints: not built (GPU shards)
         if diffs:
             failure = KVLayoutMismatchError(diffs, "sender", "ticket")
@@ -287,6 +290,9 @@ class Sender(Endpoint):
                         f"ticket epoch {ticket.epoch} but the receiver "
                         f"restarted (epoch {conn.epoch}); ticket refused"
                     )
+                assert conn.layout is not None  # the data path sizes rows from it
+                if diffs := ticket.layout.differences(conn.layout, bridged=()):
+                    raise KVLayoutMismatchError(diffs, "ticket", "receiver")
                 if not self._table.bind(record, conn):
                     return  # ended meanwhile
                 accepted = record.cache["accepted"] = conn.pending[ticket.request_id] = Future()
@@ -380,6 +386,9 @@ class Sender(Endpoint):
             except (TypeError, KeyError, ValueError):
                 raise ProtocolError(f"malformed WELCOME from {endpoint}") from None
             self.layout.check_matches(layout, "sender", "receiver")
+            size = (self.layout.tensor_parallel_size, layout.tensor_parallel_size)
+            if size[0] != size[1] and self.backend not in RESHARDING_BACKENDS:
+                raise KVLayoutMismatchError({"tensor_parallel_size": size}, "sender", "receiver")
             self._writing.welcome(conn)
             return conn
         except BaseException:

@@ -283,6 +283,8 @@ class ShmWriting(Writing):
         rows, (plan, streaming) = conn.state["rows"], self.plan(conn, record, items[0])
         assert isinstance(rows, np.ndarray)
         sources = [(block_rows(i.k_cache), block_rows(i.v_cache), i.layer) for i in items]  # type: ignore[arg-type]
+        if any(k.shape[1] != rows.shape[-1] or v.shape[1] != rows.shape[-1] for k, v, _ in sources):
+            raise base.KVTransferError("source rows do not match the receiver's block size")
         copies = [(s, rows[layer, kv]) for k, v, layer in sources for kv, s in enumerate((k, v))]
         with record.write_lock:
             if record.state.is_terminal:

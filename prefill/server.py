@@ -114,7 +114,7 @@ class PrefillServer:
             )
         self.replica.counters["requests"] += 1
         timeline = PrefillTrace(
-            spec, self.replica.name, len(ticket.block_ids) * self.engine.kv_spec.bytes_per_block
+            spec, self.replica.name, len(ticket.block_ids) * ticket.layout.bytes_per_block
         )
         first = None
         self._pending_tokens[spec.priority] += len(spec.prompt_token_ids)
@@ -148,7 +148,7 @@ class PrefillServer:
         phases = timeline.finish(request, state.value)
         self._count_tokens(request.num_prompt_tokens, first.num_cached_tokens, ticket)
         self.replica.counters["kv_transfer_bytes"] += (
-            len(ticket.block_ids) * self.engine.kv_spec.bytes_per_block
+            len(ticket.block_ids) * ticket.layout.bytes_per_block  # the receiver's items
         )
         self.replica.counters["kv_transfer_us"] += round(phases.transfer_ms * 1000)
         self.replica.observe("queue_seconds", phases.queue_ms / 1000)
@@ -256,6 +256,11 @@ class PrefillServer:
     def _send_resharded(self, ticket: Ticket, layer: int, block_ids: Sequence[int]) -> None:
         """Engine thread: model layer `layer` of `ticket`'s blocks into a decode replica of
         another TP size, re-sharded to its items (`kvtransfer.reshard`)."""
+        try:
+            if self.sender.poll(ticket.request_id).is_terminal:
+                return  # ended (aborted, failed): nothing to build
+        except KVTransferError:  # long forgotten
+            return
         key = ticket.layout.tensor_parallel_size
         if (resharding := self._reshardings.get(key)) is None:
             resharding = self._reshardings[key] = Resharding(self.sender.layout, ticket.layout)

@@ -74,7 +74,7 @@ class LoadObserver:
             snapshot = self.frontend.overload.monitor.snapshot(pool)
             if snapshot is not None:
                 stats.extend(snapshot.replicas.values())
-        return Load(num_running + num_new, queued_ahead(stats, slo.priority), now)
+        return Load(num_running + num_new, queued_ahead(stats, slo.priority), now, num_new)
 
 
 def unit_cost(frontend: Frontend, active_s: float, num_in: int, num_out: int) -> dict[str, str]:

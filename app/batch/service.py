@@ -145,6 +145,14 @@ class BatchService:
                 for runner in list(self.runners.values()):  # their newest lines make room
                     excess -= runner.preempt(excess)
 
+    def report(self) -> dict[str, Any]:
+        """This replica's pacing (`Pacer.report`), lines in flight and jobs it runs."""
+        return {
+            **self.pacer.report(),
+            "lines_in_flight": self.window.num_taken,
+            "jobs_running": len(self.running),
+        }
+
     async def close(self) -> None:
         """Stop the poller, the pacer and every job here (their leases run out)."""
         tasks = [*self._tasks, *self.running.values()]

@@ -55,7 +55,8 @@ class BatchSettings(_Strict):
         allow_inf_nan=False,
         description="Seconds without more important requests before lines in flight may "
         "grow past busy_concurrency again (so a gap between interactive requests does not "
-        "fill the decode slots they are about to need).",
+        "fill the decode slots they are about to need); longer while those requests arrive "
+        "often: 5 recent inter-arrival gaps when that is more, at most 10 x quiet_s.",
     )
     delta_interval_s: float = Field(
         default=2.0,

@@ -115,7 +115,8 @@ class ModelSettings(_Strict):
         ge=1,
         le=64,
         description="Ranks one replica shards the model over (Megatron-style, KV split by "
-        "KV head): GPUs on cuda (set each pool's num_gpus to it), worker processes on cpu. "
+        "KV head): GPUs on cuda (set each pool's num_gpus to its TP size), worker processes "
+        "on cpu. "
         "A pool may set its own (`engine.tensor_parallel_size`).",
     )
     load_format: Literal["auto", "dummy"] = Field(

@@ -10,9 +10,10 @@ throughput, then beside interactive load against that load alone.
    its own for the job (default class: the config's `batch` class, no limits of its own);
    interactive requests are sent by the config's first tenant whose default class is
    `interactive`, and judged by that class's TTFT/TPOT SLOs.
-3. **Idle**: once the warm-up's interactive requests are `batch.quiet_s` behind (an idle
-   service, as pacing defines it), the job is submitted (OpenAI Batch API) and followed
-   to completion: `job_tok_s` = its generated tokens / wall time from submit to completed.
+3. **Idle**: once the ingress reads the service as idle after the warm-up's interactive
+   requests (`batch.idle` of `/v1/pdserve/stats`: their quiet period behind), the job
+   is submitted (OpenAI Batch API) and followed to completion: `job_tok_s` = its
+   generated tokens / wall time from submit to completed.
 4. **Capacity**: a closed-loop probe of interactive requests (`--interactive-prompt-tokens`,
    `--interactive-max-tokens`), doubling concurrency to saturation (`bench.serve.capacity`).
 5. **Interactive alone**: Poisson arrivals at `--load` (0.5) x that capacity for
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from bench.batch.jobs import (
@@ -95,6 +97,25 @@ def plan_args(options: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
         "slo": SLO(slo["ttft_s"] * 1000, slo["tpot_s"] * 1000),
     }
     return args, who
+
+
+IDLE_TIMEOUT_S = 120.0
+
+
+def wait_idle(base_url: str, admin_key: str) -> None:
+    """Until the ingress's batch pacing reads the service as idle (`batch.idle` of
+    `/v1/pdserve/stats`: nothing more important for its quiet period), so the idle job
+    starts with the window open, as on a service nobody else uses."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    while True:
+        stats = httpx.get(f"{base_url}/v1/pdserve/stats", headers=headers, timeout=30).json()
+        if stats.get("batch", {}).get("idle"):
+            return
+        if time.monotonic() > deadline:
+            pacing = stats.get("batch")
+            raise SystemExit(f"the service did not read as idle in {IDLE_TIMEOUT_S} s: {pacing}")
+        time.sleep(0.25)
 
 
 def _loadavg() -> list[float]:
@@ -182,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = Target(app.base_url, model, api_key=who["interactive_key"])
         warm = schedule(interactive, 1.0, 1.0, seed=options.seed + 7, num_requests=2)
         asyncio.run(run_load(target, warm, concurrency=1, progress=False))
-        time.sleep(config.batch.quiet_s + config.batch.pace_period_s)  # idle, as pacing sees it
+        wait_idle(app.base_url, args["admin_api_keys"][0])
 
         idle = asyncio.run(run_job(app.base_url, who["job_key"], shape, model))
         document["idle"] = {

@@ -75,7 +75,7 @@ def _example_70b() -> dict[str, Any]:
 def test_70b_example_is_a_valid_config() -> None:
     config = PDServeConfig.model_validate(_example_70b())
     (pool,) = config.pools
-    assert pool.num_gpus == config.model.tensor_parallel_size == 2
+    assert pool.num_gpus == config.engine_config(pool).tensor_parallel_size == 2
 
 
 def test_70b_example_fits_an_h200() -> None:

@@ -134,6 +134,11 @@ def test_openai_batch_round_trip_equals_online(server: Server) -> None:
             online.usage.completion_tokens,
         )
     assert client.batches.list().data[0].id == batch.id
+    # The ingress's pacing is readable (`pdserve bench batch` waits for `idle` before its
+    # idle job); the job is over, so no line is in flight.
+    pacing = server.stats()["batch"]
+    assert pacing["jobs_running"] == 0 and pacing["lines_in_flight"] == 0
+    assert isinstance(pacing["idle"], bool) and pacing["quiet_period_s"] >= 3.0
 
 
 def test_chat_batch_with_a_bad_line(server: Server) -> None:

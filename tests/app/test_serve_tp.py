@@ -23,7 +23,7 @@ from replica.protocol import GenerationSpec
 from tests.decode.test_server import InProcessHandle
 
 if TYPE_CHECKING:
-    from tests.app.conftest import Server
+    from tests.app.conftest import HFGreedy, Server
 
 pytestmark = pytest.mark.slow
 
@@ -84,16 +84,20 @@ def _replica_pid(server: Server, pool: str) -> int:
     return int(server.stats()["pools"][pool]["replica"].rsplit(":", 1)[1])
 
 
-def test_tp2_disaggregated_equals_tp1(server: Server, tp1_texts: list[str]) -> None:
+def test_tp2_disaggregated_equals_tp1(server: Server, tp1_texts: list[str], hf: HFGreedy) -> None:
+    from tests.app.conftest import wait_until
+
     client = server.openai()
     before = server.stats()["pools"]["decode"]["counters"].get("remote_prefill", 0)
-    texts = [
-        client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-        .choices[0]
-        .text
-        for prompt in PROMPTS
-    ]
+    texts = []
+    for prompt in PROMPTS:
+        out = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        texts.append(out.choices[0].text)
+        wait_until(lambda: not server.busy_pools(), 30, "every block free after the request")
     assert texts == tp1_texts
+    assert texts == [hf.complete(prompt, MAX_TOKENS).text for prompt in PROMPTS]
     counters = server.stats()["pools"]["decode"]["counters"]
     assert counters.get("remote_prefill", 0) - before == len(PROMPTS)  # KV came over shm
 

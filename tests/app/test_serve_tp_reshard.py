@@ -62,11 +62,6 @@ def _used_blocks(server: Server) -> dict[str, int]:
     }
 
 
-def _all_free(server: Server) -> bool:
-    pools = server.stats()["pools"]
-    return all("error" not in p and p["num_free_blocks"] == p["num_blocks"] for p in pools.values())
-
-
 def test_tp2_prefill_into_tp1_decode_equals_transformers(server: Server, hf: HFGreedy) -> None:
     client = server.openai()
     before = server.stats()["pools"]["decode"]["counters"].get("remote_prefill", 0)
@@ -75,7 +70,7 @@ def test_tp2_prefill_into_tp1_decode_equals_transformers(server: Server, hf: HFG
             model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
         )
         assert out.choices[0].text == hf.complete(prompt, MAX_TOKENS).text
-        wait_until(lambda: _all_free(server), 30, "every block free after the request")
+        wait_until(lambda: not server.busy_pools(), 30, "every block free after the request")
     counters = server.stats()["pools"]["decode"]["counters"]
     assert counters.get("remote_prefill", 0) - before == len(PROMPTS)  # re-sharded KV
 
@@ -87,7 +82,7 @@ def test_streamed_chat_equals_transformers(server: Server, hf: HFGreedy) -> None
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == hf.chat(messages, MAX_TOKENS).text
-    wait_until(lambda: _all_free(server), 30, "every block free after the request")
+    wait_until(lambda: not server.busy_pools(), 30, "every block free after the request")
 
 
 def test_prefill_rank_killed_mid_transfer_leaves_nothing_held(server: Server, hf: HFGreedy) -> None:
@@ -128,7 +123,7 @@ def test_prefill_rank_killed_mid_transfer_leaves_nothing_held(server: Server, hf
     assert counters.get("local_prefill_fallback", 0) > decode_before.get(
         "local_prefill_fallback", 0
     ), counters
-    wait_until(lambda: _all_free(server), 60, "decode's reserved blocks back in its pool")
+    wait_until(lambda: not server.busy_pools(), 60, "decode's reserved blocks back in its pool")
     new_pid = wait_for_new_replica(APP, "prefill", {prefill_pid}, RESTART_TIMEOUT_S)
     assert new_pid is not None, "Serve did not replace the prefill replica"
     wait_until(
@@ -152,4 +147,4 @@ def test_prefill_rank_killed_mid_transfer_leaves_nothing_held(server: Server, hf
         return done.is_set()
 
     wait_until(remote_again, RESTART_TIMEOUT_S, "a remote prefill through the new replica")
-    wait_until(lambda: _all_free(server), 30, "every block free at the end")
+    wait_until(lambda: not server.busy_pools(), 30, "every block free at the end")

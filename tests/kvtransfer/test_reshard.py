@@ -3,6 +3,7 @@ over the real shm and tcp endpoints, lands byte for byte what a TP=b replica wou
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import numpy as np
@@ -20,15 +21,16 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 3, 8, 4
 OPTIONS = TransferOptions(reap_interval_s=0.01)
 
 
-def spec(size: int, num_blocks: int) -> KVCacheSpec:
+def spec(size: int, num_blocks: int, dtype: str = "float32") -> KVCacheSpec:
     slots = -(-HEADS // size)
-    return KVCacheSpec(LAYERS * size, num_blocks, BLOCK, slots, HEAD_DIM, "float32", size, HEADS)
+    return KVCacheSpec(LAYERS * size, num_blocks, BLOCK, slots, HEAD_DIM, dtype, size, HEADS)
 
 
 def sharded(full: torch.Tensor, size: int) -> KVCache:
     """`full` (`[layers, 2, blocks, block, heads, dim]`) as a TP=`size` replica holds it:
     rank r's heads of layer l in item l * size + r, unused slots zero."""
-    cache = KVCache.allocate(spec(size, full.shape[2]))
+    dtype = {torch.float32: "float32", torch.float8_e4m3fn: "float8_e4m3fn"}[full.dtype]
+    cache = KVCache.allocate(spec(size, full.shape[2], dtype))
     for layer in range(LAYERS):
         for rank in range(size):
             heads = split(HEADS, rank, size)
@@ -93,6 +95,57 @@ def test_resharded_transfer_lands_the_receivers_layout(
         sender.close()
         receiver.close()
     assert released.count("r") == 1  # the sender's release (DONE keeps the receiver's)
+
+
+def test_fp8_items_move_as_bytes() -> None:
+    """An fp8 KV cache re-shards as it is (per-head scales follow their heads)."""
+    full = torch.randn(LAYERS, 2, 6, BLOCK, HEADS, HEAD_DIM).to(torch.float8_e4m3fn)
+    source, expected = sharded(full, 2), sharded(full, 1)
+    resharding = Resharding(
+        KVLayout.from_spec(source.spec, "m"), KVLayout.from_spec(expected.spec, "m")
+    )
+    ids = np.array([4, 0, 2])
+    for layer in range(LAYERS):
+        for item, k, v in resharding.items(source, layer, ids):
+            assert k.dtype == torch.float8_e4m3fn
+            assert torch.equal(
+                k.view(torch.uint8), expected.key_caches[item][ids].view(torch.uint8)
+            )
+            assert torch.equal(
+                v.view(torch.uint8), expected.value_caches[item][ids].view(torch.uint8)
+            )
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_a_ticket_disagreeing_with_its_receiver_is_refused(backend: str) -> None:
+    """The data path sizes rows from the receiver's WELCOME: a ticket claiming another TP
+    size than the receiver that issued it never moves a byte."""
+    released: list[str] = []
+    receiver = create_receiver(
+        backend, spec(1, 8), model_id="m", release=released.append, options=OPTIONS
+    )
+    sender = create_sender(
+        backend, spec(2, 8), model_id="m", release=released.append, options=OPTIONS
+    )
+    try:
+        ticket = receiver.open_ticket("x", [1, 2], 10.0)
+        forged = dataclasses.replace(
+            ticket, layout=dataclasses.replace(ticket.layout, tensor_parallel_size=2)
+        )
+        with pytest.raises(KVLayoutMismatchError, match="tensor_parallel_size"):
+            sender.connect(forged, 5.0)
+        assert sender.poll("x") is TransferState.FAILED
+        malformed = dataclasses.replace(
+            ticket, layout=dataclasses.replace(ticket.layout, tensor_parallel_size=0)
+        )
+        with pytest.raises(KVLayoutMismatchError, match="tensor_parallel_size"):
+            sender.connect(dataclasses.replace(malformed, request_id="y"), 5.0)
+        assert receiver.poll("x") is TransferState.PENDING  # nothing landed
+        receiver.abort("x")
+    finally:
+        sender.close()
+        receiver.close()
+    assert sorted(released) == ["x", "x", "y"]
 
 
 def test_layout_counts_items_and_slots_per_tp_size() -> None:

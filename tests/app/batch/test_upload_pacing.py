@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.batch.execute import line_is_spare, line_route
-from app.batch.pacing import Load, Pacer, queued_ahead
+from app.batch.pacing import GAP_WEIGHT, MAX_QUIET_FACTOR, Load, Pacer, queued_ahead
 from app.batch.upload import read_upload
 from app.config import BatchSettings
 from app.errors import BadRequestError, PayloadTooLargeError
@@ -80,6 +80,29 @@ def test_pacer_opens_when_idle_and_backs_off_for_more_important_work() -> None:
     assert pacer.idle
     pacer.refused()  # a line refused for load: not idle until the next quiet look
     assert not pacer.idle
+
+
+def test_quiet_period_follows_the_gap_between_more_important_arrivals() -> None:
+    """At one arrival a second, a 3 s gap is no sign of an idle service: the window opens
+    only after five recent gaps without an arrival; a single request after a long idle
+    spell lengthens it no further than MAX_QUIET_FACTOR x quiet_s."""
+    settings = BatchSettings(min_concurrency=1, busy_concurrency=2, max_concurrency=64, quiet_s=3.0)
+    pacer = Pacer(settings)
+    assert pacer.quiet_period_s == 3.0  # no rate seen yet
+    for t in range(10):  # one arrival a second, each finished by the next look
+        pacer.next_limit(Load(1, False, now=float(t), num_arrived=1))
+    assert pacer.gap_s == pytest.approx(1.0)
+    assert pacer.quiet_period_s == pytest.approx(5.0)
+    assert pacer.report()["quiet_period_s"] == pytest.approx(5.0)
+    # 4 s without an arrival: under a fixed quiet_s of 3 s the window would open here.
+    assert pacer.next_limit(Load(0, False, now=13.0)) == 2
+    assert not pacer.idle
+    assert pacer.next_limit(Load(0, False, now=14.5)) == 64  # 5.5 s: idle
+    assert pacer.idle and pacer.report()["idle"]
+    # One request after an hour: the gap counts as at most the longest quiet period's share.
+    pacer.next_limit(Load(1, False, now=3600.0, num_arrived=1))
+    assert pacer.quiet_period_s <= MAX_QUIET_FACTOR * settings.quiet_s
+    assert pacer.gap_s == pytest.approx(1.0 + GAP_WEIGHT * (6.0 - 1.0))
 
 
 def test_queued_ahead_reads_more_important_waiters_only() -> None:
