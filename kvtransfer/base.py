@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from engine.config import DTYPE_BYTES
 from engine.kv_cache import KVCacheSpec
 
 # The cache layout both ends assume, `[layers, 2 (K, V), blocks, slots, kv_heads, head_dim]`:
@@ -177,19 +176,19 @@ class KVLayout:
         """KV heads each item has room for (the widest rank's share)."""
         return -(-self.num_kv_heads // self.tensor_parallel_size)
 
-    @property
-    def item_block_shape(self) -> tuple[int, int, int]:
-        """One block of one item's K (or V): `[block_size, head_slots, head_dim]`."""
-        return (self.block_size, self.head_slots, self.head_dim)
-
-    @property
-    def bytes_per_block_per_item(self) -> int:
-        return self.block_size * self.head_slots * self.head_dim * DTYPE_BYTES[self.dtype]
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one block across all items."""
-        return 2 * self.num_items * self.bytes_per_block_per_item
+    def cache_spec(self, num_blocks: int) -> KVCacheSpec:
+        """The geometry of a cache of `num_blocks` blocks in this layout (a replica's whole
+        cache: `num_items` items of `head_slots` heads), for its shapes and byte counts."""
+        return KVCacheSpec(
+            self.num_items,
+            num_blocks,
+            self.block_size,
+            self.head_slots,
+            self.head_dim,
+            self.dtype,
+            self.tensor_parallel_size,
+            self.num_kv_heads,
+        )
 
     def differences(
         self, other: KVLayout, bridged: tuple[str, ...] = ("tensor_parallel_size",)

@@ -64,7 +64,8 @@ class Resharding:
         self, cache: KVCache, layer: int, block_ids: np.ndarray
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """The receiver's items of model layer `layer` for the source blocks `block_ids`, as
-        `(item index, K, V)`: contiguous `[len(block_ids), *dst.item_block_shape]` tensors
+        `(item index, K, V)`: contiguous `[len(block_ids), block_size, dst.head_slots,
+        head_dim]` tensors
         whose block i is source block `block_ids[i]`. Every rank of `cache` must have
         written the layer."""
         a, b = self.src.tensor_parallel_size, self.dst.tensor_parallel_size
@@ -77,7 +78,7 @@ class Resharding:
             )
             for rank in range(a)
         ]
-        shape = (len(index), *self.dst.item_block_shape)
+        shape = (len(index), *self.dst.cache_spec(len(index)).block_shape)
         for rank in range(b):
             k = torch.zeros(shape, dtype=cache.spec.torch_dtype)
             v = torch.zeros(shape, dtype=cache.spec.torch_dtype)

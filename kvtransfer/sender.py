@@ -140,7 +140,7 @@ class Sender(Endpoint):
         dst = ticket.layout
         if not 0 <= layer < dst.num_items:
             raise ValueError(f"layer {layer} out of range [0, {dst.num_items})")
-        shape, dtype = dst.item_block_shape, self.spec.torch_dtype
+        shape, dtype = dst.cache_spec(ticket.num_blocks).block_shape, self.spec.torch_dtype
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if tuple(t.shape[1:]) != shape or t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"{name} is {tuple(t.shape)}/{t.dtype}, not [*, {shape}]/{dtype}")
@@ -187,18 +187,22 @@ class Sender(Endpoint):
                 raise ValueError(f"{ticket.request_id!r} has an open transfer, another ticket")
             record = TransferRecord(ticket.request_id, ticket.block_ids, ticket.expires_at, ticket)
             self._table.add(record)
-        diffs = self.layout.differences(ticket.layout)
-        size = (self.layout.tensor_parallel_size, ticket.layout.tensor_parallel_size)
-        heads = ticket.layout.num_kv_heads
-        if size[0] != size[1] and (
-            self.backend not in RESHARDING_BACKENDS or not 1 <= size[1] <= heads
-        ):
-            diffs["tensor_parallel_size"] = size  # per-rank endpoints: not built (GPU shards)
-        if diffs:
+        if diffs := self.layout.differences(ticket.layout) | self._unbridged(ticket.layout):
             failure = KVLayoutMismatchError(diffs, "sender", "ticket")
             self._table.finish(ticket.request_id, TransferState.FAILED, failure)
             return None
         return record
+
+    def _unbridged(self, other: KVLayout) -> dict[str, tuple[object, object]]:
+        """`other`'s TP size as a difference when this sender cannot re-shard into it: on a
+        backend whose ranks' shards it cannot reach (per-rank endpoints: not built), or a
+        size that is no split of the model's KV heads."""
+        ours, theirs = self.layout.tensor_parallel_size, other.tensor_parallel_size
+        if ours == theirs or (
+            self.backend in RESHARDING_BACKENDS and 1 <= theirs <= other.num_kv_heads
+        ):
+            return {}
+        return {"tensor_parallel_size": (ours, theirs)}
 
     def _fail(self, ticket: Ticket, exc: KVTransferError) -> KVTransferError:
         """Sending `ticket` failed with `exc`: end the transfer; the error to report."""
@@ -385,10 +389,8 @@ class Sender(Endpoint):
                 conn.num_blocks = int(str(conn.welcome["num_blocks"]))
             except (TypeError, KeyError, ValueError):
                 raise ProtocolError(f"malformed WELCOME from {endpoint}") from None
-            self.layout.check_matches(layout, "sender", "receiver")
-            size = (self.layout.tensor_parallel_size, layout.tensor_parallel_size)
-            if size[0] != size[1] and self.backend not in RESHARDING_BACKENDS:
-                raise KVLayoutMismatchError({"tensor_parallel_size": size}, "sender", "receiver")
+            if diffs := self.layout.differences(layout) | self._unbridged(layout):
+                raise KVLayoutMismatchError(diffs, "sender", "receiver")
             self._writing.welcome(conn)
             return conn
         except BaseException:

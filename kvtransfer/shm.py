@@ -249,9 +249,10 @@ class ShmWriting(Writing):
         populate it on a thread (~0.1 s per 256 MiB of cache, once per connection), so the
         first transfer waits only for the pages it writes."""
         segment, nbytes = conn.welcome.get("segment"), conn.welcome.get("total_bytes")
-        layout = conn.layout  # the receiver's: another TP size than ours is re-sharded
-        assert layout is not None, "set by the handshake"
-        expected = conn.num_blocks * layout.bytes_per_block
+        assert conn.layout is not None, "set by the handshake"
+        # the receiver's geometry: another TP size than ours is re-sharded
+        dst = conn.layout.cache_spec(conn.num_blocks)
+        expected = dst.total_bytes
         if f"shm://{segment}" != conn.name or not isinstance(nbytes, int) or nbytes != expected:
             raise base.PeerLostError(f"{conn.name} offers segment {segment!r} of {nbytes} bytes")
         try:
@@ -266,7 +267,7 @@ class ShmWriting(Writing):
             target=prefault_writable, args=(flat,), name="kv-shm-populate", daemon=True
         )
         populate.start()
-        conn.state["rows"] = flat.numpy().reshape(layout.num_items, 2, conn.num_blocks, -1)
+        conn.state["rows"] = flat.numpy().reshape(dst.num_layers, 2, conn.num_blocks, -1)
 
     def settle(self, conn: Connection, timeout_s: float) -> None:
         """Wait until the receiver's cache is populated in our page tables."""
@@ -312,13 +313,13 @@ class ShmWriting(Writing):
     ) -> tuple[CopyPlan, bool]:
         """The transfer's copy plan (built on its first layer, ids checked) and whether to
         copy with streaming stores."""
-        layout = conn.layout
-        assert layout is not None and item.k_cache is not None
+        assert conn.layout is not None and item.k_cache is not None
+        dst = conn.layout.cache_spec(conn.num_blocks)
         if not isinstance(plan := record.cache.get("plan"), CopyPlan):
             src_ids, dst_ids = checked_ids(item, item.k_cache.shape[0], conn.num_blocks)
-            plan = CopyPlan.build(src_ids, dst_ids, layout.bytes_per_block_per_item)
+            plan = CopyPlan.build(src_ids, dst_ids, dst.bytes_per_block_per_layer)
             record.cache["plan"] = plan
-        return plan, rowcopy.worth_streaming(len(plan.dst_ids) * layout.bytes_per_block)
+        return plan, rowcopy.worth_streaming(len(plan.dst_ids) * dst.bytes_per_block)
 
     def disconnected(self, conn: Connection) -> None:
         conn.state.pop("rows", None)  # unmapped once in-flight copies drop their views

@@ -81,7 +81,6 @@ class PrefillServer:
             host=source_host if backend == "tcp" else None,
         )
         self._tickets: dict[str, Ticket] = {}
-        self._reshardings: dict[int, Resharding] = {}  # by the decode replicas' TP size
         self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for
         self._ttft_ms = RecentSamples()  # autoscaling signals (event loop only)
@@ -113,9 +112,9 @@ class PrefillServer:
                 f"{ticket.num_cached_blocks} cached, prompt needs {num_prompt_blocks}"
             )
         self.replica.counters["requests"] += 1
-        timeline = PrefillTrace(
-            spec, self.replica.name, len(ticket.block_ids) * ticket.layout.bytes_per_block
-        )
+        # what moves: the ticket's blocks in the receiver's items (its TP size, not ours)
+        transfer_bytes = ticket.layout.cache_spec(ticket.num_blocks).total_bytes
+        timeline = PrefillTrace(spec, self.replica.name, transfer_bytes)
         first = None
         self._pending_tokens[spec.priority] += len(spec.prompt_token_ids)
         try:
@@ -147,9 +146,7 @@ class PrefillServer:
                 del self._pending_tokens[spec.priority]
         phases = timeline.finish(request, state.value)
         self._count_tokens(request.num_prompt_tokens, first.num_cached_tokens, ticket)
-        self.replica.counters["kv_transfer_bytes"] += (
-            len(ticket.block_ids) * ticket.layout.bytes_per_block  # the receiver's items
-        )
+        self.replica.counters["kv_transfer_bytes"] += transfer_bytes
         self.replica.counters["kv_transfer_us"] += round(phases.transfer_ms * 1000)
         self.replica.observe("queue_seconds", phases.queue_ms / 1000)
         self.replica.observe("prefill_seconds", (phases.compute_ms + phases.transfer_ms) / 1000)
@@ -261,9 +258,7 @@ class PrefillServer:
                 return  # ended (aborted, failed): nothing to build
         except KVTransferError:  # long forgotten
             return
-        key = ticket.layout.tensor_parallel_size
-        if (resharding := self._reshardings.get(key)) is None:
-            resharding = self._reshardings[key] = Resharding(self.sender.layout, ticket.layout)
+        resharding = Resharding(self.sender.layout, ticket.layout)
         ids = np.asarray(block_ids, dtype=np.int64)
         rows = np.arange(len(ids), dtype=np.int64)
         for item, k, v in resharding.items(self.engine.kv_cache, layer, ids):

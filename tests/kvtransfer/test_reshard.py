@@ -153,7 +153,8 @@ def test_layout_counts_items_and_slots_per_tp_size() -> None:
     assert ours.differences(theirs) == {}  # bridgeable: the sender re-shards
     assert (ours.num_items, theirs.num_items) == (4, 2)
     assert (ours.head_slots, theirs.head_slots) == (2, 3)
-    assert ours.bytes_per_block == theirs.bytes_per_block + 2 * LAYERS * BLOCK * HEAD_DIM * 4
+    bytes_per_block = (ours.cache_spec(1).bytes_per_block, theirs.cache_spec(1).bytes_per_block)
+    assert bytes_per_block[0] == bytes_per_block[1] + 2 * LAYERS * BLOCK * HEAD_DIM * 4
 
 
 class _GpuWriting(Writing):
