@@ -17,13 +17,13 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -51,7 +51,7 @@ from app.handle import GenerateChunk, GenerateRequest
 from app.observability.tracing import TracingMiddleware, configure_tracing
 from app.prepared import Entry
 from app.protocol import ChatCompletionRequest, CompletionRequest, parse_json_object
-from app.responses import SSE_DONE, ModelCard, ModelList, sse_event
+from app.responses import SSE_DONE, EventStreamResponse, ModelCard, ModelList, sse_event
 from app.routing.fallback import FALLBACK_HEADER, MODEL_HEADER
 from app.serve.apps import own_app_name
 from app.serve.readiness import Readiness
@@ -193,7 +193,7 @@ class Ingress:
                 async for batch in batches:
                     yield batch
 
-        async def sse() -> AsyncIterator[str]:
+        async def sse() -> AsyncGenerator[str]:
             # The deltas that were ready together go out as one write: each write is a
             # message through Serve's proxy, which costs more CPU than the event itself.
             end = SSE_DONE  # written with the usage chunk or the error event, if any
@@ -212,7 +212,7 @@ class Ingress:
                 await batches.aclose()
             yield end
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)
+        return EventStreamResponse(sse(), headers, source=batches)
 
     def _headers(
         self, prepared: PreparedRequest, builder: CompletionBuilder | ChatBuilder

@@ -8,10 +8,12 @@ them from engine output. Request models are in `app.protocol`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Literal
 
 from pydantic import BaseModel, SerializerFunctionWrapHandler, model_serializer
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 SSE_DONE = "data: [DONE]\n\n"
 FinishReason = Literal["stop", "length", "abort"]
@@ -162,3 +164,29 @@ def sse_event(obj: BaseModel | Mapping[str, object]) -> str:
     if isinstance(obj, BaseModel):
         return f"data: {obj.model_dump_json()}\n\n"
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A `text/event-stream` response whose event generator is closed however the response
+    ends. Starlette does not close it: a response cancelled while it waits in `send` (the
+    client went away, and Serve cancels the handler) leaves the generator suspended at a
+    `yield`, and its `finally`, which frees the request's quota slots and KV blocks, would
+    run only when the garbage collector gets to it, seconds or minutes later. `source`, the
+    generator `events` reads, is closed after it (closing `events` before its first step
+    would not reach it)."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[str],
+        headers: Mapping[str, str],
+        source: AsyncGenerator[object] | None = None,
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._closing = [events] if source is None else [events, source]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for generator in self._closing:
+                await generator.aclose()

@@ -39,6 +39,10 @@ from engine.kv_cache import KVCacheSpec
 logger = logging.getLogger(__name__)
 
 _TAKE_ATTEMPTS = 3  # other requests of this replica may drain a fresh grant first
+# A release the ledger did not answer is retried, backing off, for this long.
+RELEASE_RETRY_FIRST_S = 0.5
+RELEASE_RETRY_MAX_S = 5.0
+RELEASE_RETRY_FOR_S = 120.0
 
 
 def _capacities(quota: TenantQuota) -> dict[Limit, float]:
@@ -267,7 +271,25 @@ class Admission:
             self._spawn(self._call("charge_tokens", tenant, limit, lease.take_debt()))
 
     def release_slots(self, grant_id: str) -> None:
-        self._spawn(self._call("release_slots", grant_id))
+        """Free a grant's slots in the background. A release the ledger did not answer is
+        sent again (it is idempotent; a restarted ledger files an unknown grant as
+        abandoned) until it is delivered: a lost release would hold the tenant's slot for
+        good."""
+        self._spawn(self._release(grant_id))
+
+    async def _release(self, grant_id: str) -> None:
+        delay_s = RELEASE_RETRY_FIRST_S
+        deadline = time.monotonic() + RELEASE_RETRY_FOR_S
+        while True:
+            try:
+                await self._call("release_slots", grant_id)
+                return
+            except ServiceUnavailableError:
+                if time.monotonic() + delay_s > deadline:
+                    logger.error("quota release of %s was never delivered", grant_id)
+                    return
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, RELEASE_RETRY_MAX_S)
 
     async def stats(self) -> dict[str, Any]:
         """The quota ledger's per-tenant state ({} without quotas); raises the 503 of

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from app.admission import controller
 from app.admission.controller import Admission
 from app.admission.leases import Lease
 from app.admission.quota_service import QuotaLedger
@@ -287,5 +288,47 @@ def test_kv_share_is_a_share_of_the_pool_counted_at_the_most_a_request_can_fill(
         first.release()
         await asyncio.sleep(0)  # the release runs in the background
         await replica.admit("t", "e", 20, 8, 0, "decode", 60)  # the 40 blocks are back
+
+    asyncio.run(scenario())
+
+
+class _FailingReleases(_InProcess):
+    """The in-process ledger, whose first `failures` release calls fail (a ledger that did
+    not answer in time)."""
+
+    def __init__(self, ledger: QuotaLedger, failures: int) -> None:
+        super().__init__(ledger)
+        self.failures = failures
+
+    def __getattr__(self, method: str) -> Any:
+        if method == "release_slots" and self.failures > 0:
+            self.failures -= 1
+
+            class _Fails:
+                def remote(self, *args: Any) -> Any:
+                    raise RuntimeError("the ledger did not answer")
+
+            return _Fails()
+        return super().__getattr__(method)
+
+
+def test_a_release_the_ledger_missed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(controller, "RELEASE_RETRY_FIRST_S", 0.01)
+    quotas = {"t": (TenantQuota(), 1)}
+    ledger = QuotaLedger(quotas, clock=lambda: 0.0)
+    handle = _FailingReleases(ledger, failures=3)
+    replica = Admission(AdmissionSettings(), quotas, handle, kv_pool_blocks={}, clock=_Clock())
+
+    async def scenario() -> None:
+        admitted = await replica.admit("t", "a", 5, 1, 0)
+        with pytest.raises(RateLimitError):
+            await replica.admit("t", "b", 5, 1, 0)  # the one slot is held
+        admitted.release()
+        deadline = asyncio.get_running_loop().time() + 30
+        while (await ledger.stats())["t"]["num_requests"]:
+            assert asyncio.get_running_loop().time() < deadline, "the slot was never freed"
+            await asyncio.sleep(0.01)
+        assert handle.failures == 0  # freed by the fourth attempt
+        await replica.admit("t", "c", 5, 1, 0)
 
     asyncio.run(scenario())

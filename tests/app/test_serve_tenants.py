@@ -312,8 +312,9 @@ def test_quota_exceeded_is_429(server: Server) -> None:
         assert _complete(server, ACME, prompt_of(100)).status_code == 200
     finally:
         holder.close()
-    # Once the holder is gone its slot is released (asynchronously, after the disconnect).
-    deadline = time.monotonic() + 10
+    # Once the holder is gone its slot is released (asynchronously, after the disconnect;
+    # the deadline only bounds a failing run).
+    deadline = time.monotonic() + 30
     while (response := _complete(server, INITECH, prompt_of(20))).status_code == 429:
         assert time.monotonic() < deadline, "initech's slot was not released"
         time.sleep(0.2)
