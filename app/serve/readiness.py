@@ -16,10 +16,13 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from ray import serve
+from ray.serve.context import _get_global_client
 
 # A child of Serve's logger: in a replica it lands in the replica's log file at INFO.
 logger = logging.getLogger("ray.serve.pdserve.readiness")
@@ -33,6 +36,32 @@ def num_running(replica_states: Mapping[Any, int]) -> int:
     return sum(
         n for state, n in replica_states.items() if getattr(state, "value", state) == "RUNNING"
     )
+
+
+def replica_states() -> Any:
+    """What `serve.status()` says of each application's deployments' replica states, read
+    from the controller's details without building `serve.status()`'s models: those
+    cloudpickle every deployment's request router class by value, ~40 ms of the ingress's
+    CPU per probe with pdserve's router and five deployments, against ~3 ms for this. Falls
+    back to `serve.status()` where the details are not as expected (another Ray)."""
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return serve.status()
+    try:
+        applications = {
+            app_name: SimpleNamespace(
+                deployments={
+                    name: SimpleNamespace(
+                        replica_states=Counter(r["state"] for r in deployment["replicas"])
+                    )
+                    for name, deployment in app["deployments"].items()
+                }
+            )
+            for app_name, app in client.get_serve_details()["applications"].items()
+        }
+    except (KeyError, TypeError, AttributeError):
+        return serve.status()
+    return SimpleNamespace(applications=applications)
 
 
 def pool_replicas(status: Any, app_name: str, pools: Collection[str]) -> dict[str, int]:
@@ -61,12 +90,13 @@ class Readiness:
         app_name: str,
         pools: Collection[str],
         observe: Callable[[dict[str, int]], None] = lambda running: None,
-        status: Callable[[], Any] = serve.status,
+        status: Callable[[], Any] = replica_states,
         ttl_s: float = HEALTH_TTL_S,
         timeout_s: float = HEALTH_TIMEOUT_S,
     ) -> None:
         """`observe` gets every probe's RUNNING replica counts (unit cost integrates them);
-        `status` is Serve's status call (a blocking call, run off the event loop)."""
+        `status` is Serve's status call or one shaped like it (`replica_states`; a
+        blocking call, run off the event loop)."""
         self.app_name = app_name
         self.pools = tuple(pools)
         self._observe = observe

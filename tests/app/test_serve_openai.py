@@ -667,6 +667,17 @@ def test_health_says_only_ready(server: Server) -> None:
     assert response.json() == {"status": "ok"}  # no pool, host or pid details
 
 
+def test_readiness_reads_what_serve_status_says(server: Server) -> None:
+    from ray import serve
+
+    from app.serve.readiness import pool_replicas, replica_states
+
+    pools = ("prefill", "decode", "ingress")
+    light = pool_replicas(replica_states(), "pdserve", pools)
+    assert light == pool_replicas(serve.status(), "pdserve", pools)
+    assert light == {"prefill": 1, "decode": 1, "ingress": 1}
+
+
 def test_models_lists_served_model(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [model.id for model in models.data] == [SERVED_MODEL]
