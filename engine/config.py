@@ -110,5 +110,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs; None: 1, 2, 4, 8, 16, 24, ... max_num_seqs
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Steps holding a prompt as CUDA graphs split around attention (`engine.prompt_graphs`;
+    # cuda, TP 1; independent of enforce_eager, which is about decode steps)
+    prompt_cuda_graphs: bool = False
     # "auto": the checkpoint's weights; "dummy": random weights (benchmarks of a bare shape)
     load_format: str = "auto"

@@ -42,6 +42,7 @@ from engine.model import LayerHook
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel import check_shardable
+from engine.prompt_graphs import PromptGraphs, token_buckets, uses_prompt_graphs
 from engine.quantization import check_fp8_device, check_fp8_options
 from engine.request import (
     InvalidRequestError,
@@ -60,13 +61,16 @@ LayerHookFactory = Callable[[SchedulerOutput], LayerHook | None]
 
 class Engine:
     """A whole single-process LLM engine over a paged KV cache. `decode_graphs` (None: on
-    cuda, TP 1, not `enforce_eager`) runs decode steps through `engine.cuda_graphs`."""
+    cuda, TP 1, not `enforce_eager`) runs decode steps through `engine.cuda_graphs`;
+    `prompt_graphs` (None: `prompt_cuda_graphs` on cuda, TP 1) steps holding a prompt
+    through `engine.prompt_graphs` (True on the CPU: its padded path, uncaptured)."""
 
     def __init__(
         self,
         config: EngineConfig,
         kv_cache: KVCache | None = None,
         decode_graphs: bool | None = None,
+        prompt_graphs: bool | None = None,
     ) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -111,7 +115,13 @@ class Engine:
             config.cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(self.model, rank0_cache, self.device, self.workers, graphs)
+        use_prompt = uses_prompt_graphs(config) if prompt_graphs is None else prompt_graphs
+        prompts = None
+        if use_prompt and tp is None:
+            prompts = PromptGraphs(self.model, rank0_cache, token_buckets(config))
+        self.runner = ModelRunner(
+            self.model, rank0_cache, self.device, self.workers, graphs, prompts
+        )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, _Held] = {}  # requests with output_interval_s, after a token
         self._ids = itertools.count()

@@ -230,6 +230,18 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.output(self.attend(q, k, v, k_cache, v_cache, metadata))
+
+    # The three parts of `forward`: `project` and `output` work on each token alone (a
+    # step's rows never mix), `attend` mixes a sequence's tokens through the KV cache.
+    # `engine.prompt_graphs` captures the first and last and runs `attend` between them.
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[num_tokens, num_heads, head_dim]`, k and v `[num_tokens, num_kv_heads,
+        head_dim]`, RoPE applied to q and k."""
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # RoPE on q and k heads together: [num_tokens, num_heads + num_kv_heads, head_dim]
@@ -237,14 +249,29 @@ class Attention(nn.Module):
             qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin
         )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write k and v into the cache, attend; `[num_tokens, num_heads * head_dim]`."""
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (None, None)
         write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         out = paged_attention(
             q, k_cache, v_cache, metadata, self.scale, k_scale, v_scale, key=k, value=v
         )
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
+        return out.reshape(q.shape[0], self.q_size)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """The O projection, summed over ranks."""
+        return self.tp.all_reduce(self.o_proj(attended))
 
 
 class MLP(nn.Module):
@@ -331,7 +358,7 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata,
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
-        h = self._embed(input_ids)  # [num_tokens, hidden]
+        h = self.embed(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary(positions)
         fused = self._fused_decode(kv_cache) if layer_hook is None else None
         if fused is not None and metadata.is_decode_only and not h.is_cuda:
@@ -353,7 +380,8 @@ class CausalLM(nn.Module):
             self._decode_layers = (kv_cache, DecodeLayers.build(self, kv_cache))
         return self._decode_layers[1]
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings `[num_tokens, hidden]` (summed over ranks)."""
         if self.tp.size == 1:
             return self.embed_tokens(input_ids)
         # Vocab-parallel: each rank looks up the ids it owns, zeros elsewhere, then sum.

@@ -11,6 +11,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kernels.metadata import AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, LayerHook
+from engine.prompt_graphs import PromptGraphs
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import SchedulerOutput
@@ -41,7 +42,8 @@ def _new_token_ids(request: Request, start: int, num: int) -> list[int]:
 class ModelRunner:
     """Rank 0's runner; with `workers` (tensor parallelism) it sends each step's inputs
     to the other ranks before running its own shard, and samples alone. With `graphs`,
-    decode steps they fit run through them (`engine.cuda_graphs`), all else eagerly."""
+    decode steps they fit run through them (`engine.cuda_graphs`); with `prompt_graphs`,
+    steps holding a prompt that fit (`engine.prompt_graphs`); all else eagerly."""
 
     def __init__(
         self,
@@ -50,9 +52,11 @@ class ModelRunner:
         device: torch.device,
         workers: TPWorkers | None = None,
         graphs: DecodeGraphs | None = None,
+        prompt_graphs: PromptGraphs | None = None,
     ) -> None:
         self.model = model
         self.graphs = graphs
+        self.prompt_graphs = prompt_graphs
         self.kv_cache = kv_cache
         self.device = device
         self.workers = workers
@@ -156,13 +160,13 @@ class ModelRunner:
             logits = graphs.run(model_input.input_ids, model_input.positions, metadata)
             # a decode step's row i is its token i, so logits_indices index the rows
             return logits[model_input.logits_indices] if model_input.sampling_requests else None
-        hidden = self.model(
-            model_input.input_ids,
-            model_input.positions,
-            self.kv_cache,
-            model_input.metadata,
-            layer_hook,
-        )
+        prompts, num_tokens = self.prompt_graphs, model_input.input_ids.shape[0]
+        if prompts is not None and prompts.can_run(num_tokens, metadata):
+            hidden = prompts.run(model_input.input_ids, model_input.positions, metadata, layer_hook)
+        else:
+            hidden = self.model(
+                model_input.input_ids, model_input.positions, self.kv_cache, metadata, layer_hook
+            )
         if not model_input.sampling_requests:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices])

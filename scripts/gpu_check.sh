@@ -100,7 +100,8 @@ has_cuda=${has_cuda:-0} num_gpus=${num_gpus:-0} has_fp8=${has_fp8:-0}
 # ---- The engine on CUDA: CUDA graphs (captured vs eager), transformers parity.
 echo "== engine on cuda: CUDA graphs vs eager; fp32 token for token with transformers (graphs on/off), bf16 close"
 step test "cuda graphs + engine on cuda" 150 \
-  "${PYTEST[@]}" -m gpu tests/engine/test_cuda_graphs.py tests/engine/test_engine_cuda.py
+  "${PYTEST[@]}" -m gpu tests/engine/test_cuda_graphs.py tests/engine/test_prompt_graphs.py \
+  tests/engine/test_engine_cuda.py
 show 6
 
 # ---- Two processes on one GPU: NCCL refuses two ranks on one device, CUDA IPC does not.
@@ -165,6 +166,11 @@ if [ "$has_cuda" -eq 1 ]; then
     ${GPU_CHECK_LOG_DIR:+--profile "$GPU_CHECK_LOG_DIR/profiles"} \
     || echo "decode TPOT benchmark failed"
   show 12
+  echo "== a 512-token prefill step, eager vs CUDA graphs split around attention (engine.prompt_graphs)"
+  step bench "prompt graphs" 120 "$PY" -m bench.offline.tpot --models small llama3-8b --batch 1 \
+    --prompt-len 512 --output-len 4 --modes eager prompt-graphs \
+    || echo "prompt graphs benchmark failed"
+  show 6
 else
   echo "== decode TPOT benchmark skipped: no CUDA device"
 fi

@@ -128,6 +128,13 @@ class ModelSettings(_Strict):
     enforce_eager: bool = Field(
         default=False, description="No CUDA graphs for decode steps (cuda, TP 1): all eager."
     )
+    prompt_cuda_graphs: bool = Field(
+        default=False,
+        description="Steps holding a prompt (prefill, mixed) as CUDA graphs captured per "
+        "token count (16, 32, ... up to max_num_batched_tokens, at most 2048), split around "
+        "attention, which runs eagerly between them (cuda, TP 1; prefill pools too). Cuts the "
+        "host's kernel launches of a short prompt's step; off until measured on a GPU.",
+    )
     cuda_graph_batch_sizes: tuple[int, ...] | None = Field(
         default=None,
         description="Decode batch sizes captured as CUDA graphs at replica start (a step of "
@@ -183,4 +190,5 @@ class ModelSettings(_Strict):
             load_format=self.load_format,
             enforce_eager=self.enforce_eager,
             cuda_graph_batch_sizes=self.cuda_graph_batch_sizes,
+            prompt_cuda_graphs=self.prompt_cuda_graphs,
         )

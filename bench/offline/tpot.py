@@ -9,9 +9,11 @@ read, every weight but the embedding table (of which it gathers `batch` rows), d
 `--bandwidth` (default: H200 HBM3e, 4.8 TB/s); KV reads come on top (small here).
 
 Modes: `graphs` captures decode graphs (`engine.cuda_graphs`; on the CPU the padded path
-runs uncaptured), `eager` runs every step eagerly. Models: a directory, a built-in name, or
-`llama3-8b`: the Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads,
-intermediate 14336, vocab 128256) with random weights (`load_format: dummy`).
+runs uncaptured), `prompt-graphs` the prompt steps' graphs too (`engine.prompt_graphs`: the
+prefill step's `prefill_ms`, when its tokens fit 2,048), `eager` runs every step eagerly.
+Models: a directory, a built-in name, or `llama3-8b`: the Llama-3-8B shape (hidden 4096,
+32 layers, 32 heads, 8 KV heads, intermediate 14336, vocab 128256) with random weights
+(`load_format: dummy`).
 
 `--profile DIR`: for each row, the same batch runs again with `--profile-steps` of its
 decode steps under `torch.profiler` (CPU and CUDA), and DIR gets
@@ -47,6 +49,7 @@ from engine.loader import CONFIG_FILE, load_model_config
 from engine.request import SamplingParams
 
 H200_BYTES_S = 4.8e12
+MODES = ("graphs", "prompt-graphs", "eager")
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -109,7 +112,8 @@ def measure(
             load_format="dummy" if dummy else "auto",
             quantization=args.quantization,
         ),
-        decode_graphs=mode == "graphs",
+        decode_graphs=mode != "eager",
+        prompt_graphs=mode == "prompt-graphs",
     )
     weights = [p for name, p in engine.model.named_parameters() if not name.startswith("embed")]
     weight_bytes = sum(p.numel() * p.element_size() for p in weights)
@@ -117,9 +121,10 @@ def measure(
     cuda = engine.device.type == "cuda"
     rows = []
     engine.generate([[65] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
-    graphs = engine.runner.graphs
+    graphs, prompts = engine.runner.graphs, engine.runner.prompt_graphs
     for batch in batches:
         replays_before = graphs.num_replays if graphs is not None else 0
+        prompt_before = prompts.num_replays if prompts is not None else 0
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         gen = torch.Generator().manual_seed(batch)
         for prompt in torch.randint(0, 256, (batch, args.prompt_len), generator=gen).tolist():
@@ -136,6 +141,7 @@ def measure(
         tpot_ms = statistics.median(steps[1:]) * 1e3  # steps[0] is the batch's prefill
         prefill_s = steps[0]
         graph_steps = graphs.num_replays - replays_before if graphs is not None else 0
+        prompt_steps = prompts.num_replays - prompt_before if prompts is not None else 0
         if args.profile:  # after the count: the profiled steps replay graphs too
             profile(engine, batch, args, args.profile / f"{model}-{mode}-b{batch}.txt")
         roofline_ms = weight_bytes / args.bandwidth * 1e3
@@ -151,6 +157,7 @@ def measure(
                 "roofline_ms": round(roofline_ms, 4),
                 "x_roofline": round(tpot_ms / roofline_ms, 2),
                 "graph_steps": graph_steps,
+                "prompt_graph_steps": prompt_steps,
                 "prefill_tokens": batch * args.prompt_len,
                 "prefill_ms": round(prefill_s * 1e3, 3),
                 "prefill_tflops": round(
@@ -159,7 +166,7 @@ def measure(
             }
         )
     engine.close()
-    del engine, graphs
+    del engine, graphs, prompts
     gc.collect()  # the graphs' memory pool goes with them
     if cuda:
         torch.cuda.empty_cache()
@@ -234,7 +241,13 @@ def profile(engine: Engine, batch: int, args: argparse.Namespace, out: Path) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench tpot", description=__doc__)
     parser.add_argument("--models", nargs="+", default=["small", "llama3-8b"])
-    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["graphs", "eager"],
+        help="graphs: decode steps as CUDA graphs; prompt-graphs: prompt steps too "
+        "(engine.prompt_graphs); eager: neither",
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -247,8 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, help="write per-row profiles to this dir")
     parser.add_argument("--profile-steps", type=int, default=10)
     args = parser.parse_args(argv)
-    if bad := [m for m in args.modes if m not in ("graphs", "eager")]:
-        parser.error(f"--modes takes graphs and/or eager, not {bad}")
+    if bad := [m for m in args.modes if m not in MODES]:
+        parser.error(f"--modes takes {', '.join(MODES)}, not {bad}")
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
