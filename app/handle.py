@@ -135,5 +135,12 @@ async def generate(
     if app_name is None:
         app_name = await asyncio.to_thread(find_app_name)  # blocks on the Serve controller
     handle: Any = serve.get_app_handle(app_name).options(stream=True)
-    async for chunk in handle.generate.remote(request):
-        yield chunk
+    response = handle.generate.remote(request)
+    finished = False
+    try:
+        async for chunk in response:
+            yield chunk
+        finished = True
+    finally:
+        if not finished:  # the caller stopped early: the request stops and frees its slots
+            response.cancel()

@@ -13,6 +13,7 @@ answer only when `http.enable_docs` is set.
 # FastAPI must see real `Request` classes, not strings, to inject the request object.
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -401,9 +402,10 @@ class Ingress:
             prepared = await self.frontend.admit(tenant, entry)
         except InvalidRequestError as exc:  # HTTP's error handlers are not in this path
             raise bad_request(exc) from None
-        async for _, delta in self.frontend.run(prepared):
-            route = prepared.served.route or prepared.route  # the fallback's, if it served
-            yield GenerateChunk.from_delta(delta, route.reason)
+        async with contextlib.aclosing(self.frontend.run(prepared)) as deltas:
+            async for _, delta in deltas:
+                route = prepared.served.route or prepared.route  # the fallback's, if it served
+                yield GenerateChunk.from_delta(delta, route.reason)
 
     async def routing_report(self) -> dict[str, Any]:
         return self.frontend.routing_report()

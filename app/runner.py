@@ -113,15 +113,21 @@ class RequestRunner:
             telemetry.finish(failed)
             raise
         status = STATUS_CLIENT_GONE  # unless the loop below ends or raises
-        self.in_flight[prepared.tenant] += 1
-        priority = prepared.route.priority
-        self.in_flight_by_priority[priority] += 1
-        self.routing.record(prepared)
         queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
         # `computing`: where the prompt computes and its length, until its first output
         # (decode overflow's figure; None once reported computed).
         computing: tuple[str, int] | None
-        tasks, timer, computing = self._start(prepared, queue)
+        try:
+            self.routing.record(prepared)
+            tasks, timer, computing = self._start(prepared, queue)
+        except BaseException:
+            admitted.release()
+            recorder.finish(500)
+            telemetry.finish(500)
+            raise
+        self.in_flight[prepared.tenant] += 1
+        priority = prepared.route.priority
+        self.in_flight_by_priority[priority] += 1
         started = False  # a delta was passed on: too late to move to the fallback pool
         try:
             remaining = prepared.n
@@ -171,16 +177,18 @@ class RequestRunner:
             status = 500
             raise
         finally:
+            # What frees capacity first, whatever the bookkeeping after it does: a client
+            # that went away cancels every choice on both pools, and the slot goes back.
+            try:
+                cancel_choices(tasks, timer)
+            finally:
+                admitted.release()
             recorder.finish(status)
             telemetry.finish(status)
-            cancel_choices(
-                tasks, timer
-            )  # a client that went away cancels every choice on both pools
             self.overflow.ended(prepared.route.decode_pool, prepared.n)
             self._prompt_computed(computing)
             self.in_flight[prepared.tenant] -= 1
             self.in_flight_by_priority[priority] -= 1
-            admitted.release()
 
     def _start(
         self, prepared: PreparedRequest, queue: asyncio.Queue

@@ -167,8 +167,9 @@ class DecodeServer:
     async def generate(self, spec: GenerationSpec) -> AsyncIterator[RequestOutput]:
         """Stream `spec`'s deltas once it holds one of the replica's slots (`Streams`:
         most important first); prefill remotely when the spec names a prefill pool."""
-        async for delta in self.streams.serve(spec, self._generate):
-            yield delta
+        async with contextlib.aclosing(self.streams.serve(spec, self._generate)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def _generate(
         self, spec: GenerationSpec, timeline: GenerationTrace
@@ -193,8 +194,9 @@ class DecodeServer:
             remote = None
         if remote is None:
             self.replica.counters["local_prefill"] += 1
-            async for delta in self.replica.generate_whole(request):
-                yield delta
+            async with contextlib.aclosing(self.replica.generate_whole(request)) as deltas:
+                async for delta in deltas:
+                    yield delta
             return
         rid = spec.request_id
         deadline = time.monotonic() + (spec.timeout_s if spec.timeout_s is not None else 1e9)

@@ -21,7 +21,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from types import MappingProxyType
 from typing import TypeVar
 
@@ -93,7 +93,7 @@ class AsyncEngine:
         before `stream` (whose own exit unregisters it). Idempotent."""
         self._streams.pop(request_id, None)
 
-    async def stream(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, stream: asyncio.Queue) -> AsyncGenerator[RequestOutput]:
         """Yield the request's deltas until it finishes; abort it if the caller goes away.
 
         Raises `RequestFailedError` when the request failed in the engine (its blocks are
@@ -117,12 +117,23 @@ class AsyncEngine:
             if not finished and not self._stopped:
                 self.abort(request_id)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Add a request built by `engine.make_request` and stream its deltas."""
-        stream = self.open_stream(request.request_id)
-        await self.call_async(lambda: self.engine.add_request(request))
-        async for delta in self.stream(request.request_id, stream):
-            yield delta
+    async def generate(self, request: Request) -> AsyncGenerator[RequestOutput]:
+        """Add a request built by `engine.make_request` and stream its deltas. A caller
+        cancelled while the add is on its way leaves nothing behind: the add may have run
+        (a cancelled wait does not stop a command the engine thread took), so an abort
+        follows it (commands run in order; aborting an unknown id does nothing)."""
+        request_id = request.request_id
+        stream = self.open_stream(request_id)
+        try:
+            await self.call_async(lambda: self.engine.add_request(request))
+        except BaseException:
+            self.close_stream(request_id)
+            if not self._stopped:
+                self.abort(request_id)
+            raise
+        async with contextlib.aclosing(self.stream(request_id, stream)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     def abort(self, request_id: str) -> concurrent.futures.Future[None]:
         """Abort a request in any state (frees its blocks); its stream gets a final delta."""

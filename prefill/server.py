@@ -196,8 +196,9 @@ class PrefillServer:
         holds one of the replica's slots, as a decode replica would."""
         if self.streams is None:
             raise RuntimeError(f"prefill pool {self.pool!r} does not serve whole requests")
-        async for delta in self.streams.serve(spec, self._generate):
-            yield delta
+        async with contextlib.aclosing(self.streams.serve(spec, self._generate)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def _generate(
         self, spec: GenerationSpec, timeline: GenerationTrace

@@ -11,11 +11,12 @@ event loop (the one streaming tokens) answers them at once however busy the engi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
 from engine.async_engine import AsyncEngine
@@ -210,20 +211,21 @@ class EngineReplica:
             spare=spare,
         )
 
-    async def generate_whole(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate_whole(self, request: Request) -> AsyncGenerator[RequestOutput]:
         """Serve `request` whole on this engine: its prompt is computed here, then decoded;
         no KV transfer. Each prompt's rate (tokens computed over submit-to-first-token)
         feeds `local_prefill`, from which the ingress weighs a local prefill's cost (not a
         spare request's: it may have run on more threads than others get)."""
         submitted = time.perf_counter()
         timed = not request.spare
-        async for delta in self.loop.generate(request):
-            first = delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids)
-            if timed and first:
-                # The first token: the prompt was computed (after any queueing) by now.
-                computed = len(request.prompt_token_ids) - delta.num_cached_tokens
-                self.local_prefill.add(computed, time.perf_counter() - submitted)
-            yield delta
+        async with contextlib.aclosing(self.loop.generate(request)) as deltas:
+            async for delta in deltas:
+                first = delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids)
+                if timed and first:
+                    # The first token: the prompt was computed (after any queueing) by now.
+                    computed = len(request.prompt_token_ids) - delta.num_cached_tokens
+                    self.local_prefill.add(computed, time.perf_counter() - submitted)
+                yield delta
 
     def check_health(self) -> None:
         """Raise unless the engine loop is alive and not stuck, and every tensor-parallel

@@ -74,7 +74,10 @@ class SlotGate:
         entry = (priority, next(self._arrivals), granted)
         heapq.heappush(self._waiting, entry)
         try:
-            await asyncio.wait_for(asyncio.shield(granted), timeout=max_wait_s)
+            # Not wait_for: on Python 3.11 it returns normally when cancelled just after the
+            # slot was handed over, and the cancelled caller would stream on with it.
+            async with asyncio.timeout(max_wait_s):
+                await asyncio.shield(granted)
         except BaseException:
             if granted.done() and not granted.cancelled():
                 self.release()  # handed a slot as the wait ended: pass it on

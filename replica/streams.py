@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from engine.outputs import RequestOutput
 from replica.generation_trace import GenerationTrace
@@ -39,7 +39,7 @@ class Streams:
         self.timelines: dict[str, GenerationTrace] = {}  # by request id
         self.itl_ms = RecentSamples()  # ms per token between a stream's deltas
 
-    async def serve(self, spec: GenerationSpec, run: Run) -> AsyncIterator[RequestOutput]:
+    async def serve(self, spec: GenerationSpec, run: Run) -> AsyncGenerator[RequestOutput]:
         """Stream `run(spec, timeline)`'s deltas once `spec` holds a slot; its timeline
         ends with the stream (finish reason, or the error that ended it)."""
         last_token_at: float | None = None

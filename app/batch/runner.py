@@ -139,14 +139,22 @@ class JobRunner:
                 self.own_slots.release()
                 break
             line = self.requeued.popleft() if self.requeued else pending.popleft()
-            task = asyncio.create_task(self._run_line(tenant, endpoint, line))
-            self.in_flight[task] = line
-            task.add_done_callback(self._ended)
+            self._start_line(tenant, endpoint, line)
         while self.in_flight:
             await asyncio.gather(*self.in_flight, return_exceptions=True)
 
+    def _start_line(self, tenant: str, endpoint: str, line: InputLine) -> None:
+        """Run `line` in a task of its own (its window and job slots already taken)."""
+        task = asyncio.create_task(self._run_line(tenant, endpoint, line))
+        self.in_flight[task] = line
+        task.add_done_callback(self._ended)
+
     def _ended(self, task: asyncio.Task[None]) -> None:
+        """A line's task ended, however: its slots go back here, not in `_run_line`, whose
+        `finally` never runs for a task cancelled (preempted, stopped) before it started."""
         self.in_flight.pop(task, None)
+        self.window.release()
+        self.own_slots.release()
 
     def preempt(self, num_lines: int) -> int:
         """Stop up to `num_lines` of the lines started last (more important work needs
@@ -185,9 +193,6 @@ class JobRunner:
             )
         except Exception:  # noqa: BLE001 - a bug in one line must not stop the job
             logger.exception("batch %s: line %d failed", self.batch_id, line.index)
-        finally:
-            self.window.release()
-            self.own_slots.release()
 
     async def _record(self, record: dict[str, Any]) -> None:
         """Append a finished line's result, then count it (never twice)."""

@@ -46,6 +46,9 @@ pytestmark = pytest.mark.slow
 APP = "pdserve"
 MODEL = "pdserve-tiny"
 DEADLINE_S = 3.0  # the ticket deadline: short, so a stopped prefill is given up on quickly
+# Requests a replica is killed under: long enough that none can finish before the kill
+# (the model allows 4,096 positions); they cost nothing, since they never finish.
+KILLED_MAX_TOKENS = 3500
 RESTART_TIMEOUT_S = 180.0  # Serve notices a dead replica and starts another within this
 REQUEST_TIMEOUT_S = 120.0
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head dim x block x fp32
@@ -64,7 +67,7 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
         ],
         "transfer": {"backend": "shm", "deadline_s": DEADLINE_S, "checksum": True},
         "local_prefill_threshold": 32,  # short prompts: decode prefills them (control traffic)
-        "limits": {"max_prompt_tokens": 1024, "max_output_tokens": 1024},
+        "limits": {"max_prompt_tokens": 1024, "max_output_tokens": KILLED_MAX_TOKENS},
     }
 
 
@@ -334,13 +337,13 @@ def test_decode_sigkilled_mid_stream(server: Server, hf: HFGreedy) -> None:
             json={
                 "model": MODEL,
                 "prompt": short_prompt(500),
-                "max_tokens": 1000,
+                "max_tokens": KILLED_MAX_TOKENS,
                 "temperature": 0,
                 "ignore_eos": True,
             },
             timeout=REQUEST_TIMEOUT_S,
         )
-        events = stream_events(server, short_prompt(501), 1000)
+        events = stream_events(server, short_prompt(501), KILLED_MAX_TOKENS)
         first = next(events)
         assert _has_text(first) or "choices" in first, first
         # Both requests must be on the decode replica when it dies, or the non-streaming one

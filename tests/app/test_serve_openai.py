@@ -8,6 +8,7 @@ The default disaggregated app (one prefill pool, one decode pool, KV over shared
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,9 +28,10 @@ MAX_PROMPT_TOKENS = 512
 MAX_OUTPUT_TOKENS = 4000
 MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
 MAX_BODY_BYTES = 64 * 1024
-# Generating MAX_OUTPUT_TOKENS takes over 10 s here; a disconnected request must be aborted
-# (its blocks freed) well within this.
-ABORT_TIMEOUT_S = 4.0
+# A disconnected request must be aborted (its blocks freed) well before it could finish:
+# within half the time its remaining tokens take at the decode rate measured just before
+# (`_abort_bound`; a loaded machine decodes and aborts slower alike), and at least this.
+MIN_ABORT_TIMEOUT_S = 4.0
 
 # The last one makes greedy decoding stop on EOS after 13 tokens.
 PROMPTS = ["hello there", "The quick brown fox jumps over the lazy dog; " * 4, "prompt number 2"]
@@ -619,6 +621,21 @@ def test_still_serving_after_bad_requests(client: openai.OpenAI, hf: HFGreedy) -
 # ---- disconnects, health, models ---------------------------------------------------------
 
 
+def _abort_bound(client: openai.OpenAI, num_tokens: int) -> float:
+    """Half the seconds `num_tokens` take at the decode rate a short stream measures now."""
+    stream = client.completions.create(
+        model=SERVED_MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    arrivals = [time.monotonic() for chunk in stream if chunk.choices and chunk.choices[0].text]
+    rate = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+    return max(MIN_ABORT_TIMEOUT_S, 0.5 * num_tokens / rate)
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_client_disconnect_frees_both_pools(
     server: Server, client: openai.OpenAI, endpoint: str
@@ -636,12 +653,13 @@ def test_client_disconnect_frees_both_pools(
         stream: Any = client.completions.create(prompt=PROMPTS[1], **common)
     else:
         stream = client.chat.completions.create(messages=MESSAGES[1], **common)  # type: ignore[arg-type]
+    bound_s = _abort_bound(client, MAX_OUTPUT_TOKENS - 100 - 3)
     for received, _ in enumerate(stream, start=1):
         if received == 3:
             break
     assert server.busy_pools(), "the request should still hold decode KV blocks"
     stream.close()
-    server.wait_pools_idle(timeout_s=ABORT_TIMEOUT_S)
+    server.wait_pools_idle(timeout_s=bound_s)
     decode = server.stats()["pools"]["decode"]
     assert decode["num_running"] == 0 and decode["num_waiting"] == 0
 
@@ -653,10 +671,11 @@ def test_non_streaming_client_disconnect_frees_both_pools(server: Server) -> Non
         "max_tokens": MAX_OUTPUT_TOKENS - 100,
         "ignore_eos": True,
     }
+    bound_s = _abort_bound(server.openai(), MAX_OUTPUT_TOKENS - 100)
     # The client gives up (and drops the connection) long before generation could end.
     with pytest.raises(httpx.ReadTimeout):
         server.http.post(COMPLETIONS, json=body, timeout=httpx.Timeout(30, read=1.0))
-    server.wait_pools_idle(timeout_s=ABORT_TIMEOUT_S)
+    server.wait_pools_idle(timeout_s=bound_s)
     decode = server.stats()["pools"]["decode"]
     assert decode["num_running"] == 0 and decode["num_waiting"] == 0
 

@@ -159,17 +159,18 @@ def test_request_rate_is_global_across_ingress_replicas(
 def test_prompt_tokens_per_minute_is_global(server: Server, ingress_replicas: set[str]) -> None:
     prompt_tokens = 50
     admitted_tokens = 0
-    consecutive_refusals = 0
+    # Refusals counted in all, not in a row: on a slow machine a refill (one request's worth
+    # every 5 s) can land between two refusals, and the bounds below allow for refill.
+    refusals = 0
     started = time.monotonic()
-    while consecutive_refusals < 12:
-        assert time.monotonic() - started < 30, "the prompt-token quota never refused"
+    while refusals < 12:
+        assert time.monotonic() - started < 120, "the prompt-token quota never refused"
         response = _post(server, WORDY, _body(prompt_tokens))
         if response.status_code == 200:
             admitted_tokens += response.json()["usage"]["prompt_tokens"]
-            consecutive_refusals = 0
         else:
             _assert_refused(response, "tenant_prompt_tokens_per_minute")
-            consecutive_refusals += 1
+            refusals += 1
     refill = PROMPT_TOKENS_PER_MINUTE / 60 * (time.monotonic() - started)
     # At most the bucket plus its refill, whichever replica admitted them; at least the bucket
     # minus what the two replicas' leases may each hold unused (< one request each).

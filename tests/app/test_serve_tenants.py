@@ -62,6 +62,9 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
         ],
         "transfer": {"backend": "shm"},
         "local_prefill_threshold": THRESHOLD,
+        # The static rules under test, not adaptive placement: a prefill pool whose one
+        # measured step was slow (a loaded machine) would send a prompt to local prefill.
+        "adaptive_prefill": {"enabled": False},
         "tenants": [
             {"name": "acme", "api_keys": [ACME], "allowed_pools": ["short", "long", "decode"]},
             {

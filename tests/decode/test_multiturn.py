@@ -372,7 +372,13 @@ def test_cancel_mid_transfer_leaves_the_cached_prefix_intact(servers, hf: HFGree
         if layer == 0:
             assert loop is not None
             loop.call_soon_threadsafe(layer_sent.set)
-            time.sleep(0.5)  # the engine thread is inside the step: the cancel lands now
+            # The engine thread stays inside the step until the cancel has aborted the
+            # transfer where it lands: the later layers meet an aborted transfer.
+            assert decode.receiver is not None
+            deadline = time.monotonic() + 30
+            while decode.receiver.poll(ticket.request_id) is not TransferState.ABORTED:
+                assert time.monotonic() < deadline, "the cancel never aborted the transfer"
+                time.sleep(0.01)
 
     async def cancelled_turn() -> None:
         nonlocal loop

@@ -299,3 +299,37 @@ def test_health_fails_when_the_loop_dies(replica: EngineReplica) -> None:
         replica.check_health()
     with pytest.raises(EngineDeadError):
         replica.loop.call(lambda: None)
+
+
+def test_caller_cancelled_while_its_add_runs_leaves_nothing(async_engine: AsyncEngine) -> None:
+    """The engine thread is adding the request when its caller is cancelled (a client that
+    went away): the add still happens, so an abort must follow it, and the stream goes."""
+    loop, engine = async_engine, async_engine.engine
+    adding, go_on = threading.Event(), threading.Event()
+    add_request = engine.add_request
+
+    def slow_add(request: Request) -> None:
+        adding.set()
+        go_on.wait(30)
+        add_request(request)
+
+    engine.add_request = slow_add  # type: ignore[method-assign]
+    request = engine.make_request("a b c", SamplingParams(max_tokens=200, ignore_eos=True))
+
+    async def run() -> None:
+        async def consume() -> None:
+            async for _ in loop.generate(request):
+                pass
+
+        task = asyncio.create_task(consume())
+        assert await asyncio.to_thread(adding.wait, 30)
+        task.cancel()  # while the add runs on the engine thread
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The abort was queued after the add: once a later command has run, both have.
+        assert not await loop.call_async(lambda: engine.has_unfinished)
+        assert request.request_id not in loop._streams
+
+    asyncio.run(run())
+    assert_all_blocks_free(engine)

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 SPEC = spec(num_layers=4, num_blocks=32)
 SRC, DST = (1, 2, 3), (20, 9, 14)
 OPTIONS = dataclasses.replace(FAST, fence_timeout_s=0.5)
-DEADLINE_S = 2.0  # from opening the ticket: time to connect and reach layer 1, then stopped
+DEADLINE_S = 5.0  # from opening the ticket: time to connect and reach layer 1, then stopped
 SENTINEL = 7.0
 LATER_S = 0.5  # once the fence timed out: many reaper ticks in which nothing may happen
 
@@ -145,7 +145,7 @@ def test_stopped_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges(
     stopped: StoppedSender,
 ) -> None:
     receiver, handover = stopped.receiver, stopped.handover
-    assert receiver.wait("t", 10.0) is TransferState.EXPIRED
+    assert receiver.wait("t", 30.0) is TransferState.EXPIRED
     outlast_the_fence(receiver)
     assert handover.ids == [], "released while the writer was stopped mid-copy"
     counts = receiver.transfer_counts
@@ -169,7 +169,7 @@ def test_stopped_shm_sender_keeps_its_blocks_quarantined_until_it_acknowledges(
 @pytest.mark.parametrize("stopped", ["shm"], indirect=True)
 def test_killed_stopped_shm_sender_releases_its_blocks_once_dead(stopped: StoppedSender) -> None:
     receiver, handover = stopped.receiver, stopped.handover
-    assert receiver.wait("t", 10.0) is TransferState.EXPIRED
+    assert receiver.wait("t", 30.0) is TransferState.EXPIRED
     outlast_the_fence(receiver)
     assert handover.ids == [], "released while the writer was stopped mid-copy"
     counts = receiver.transfer_counts
@@ -207,7 +207,7 @@ def test_connection_cut_by_the_receiver_keeps_a_live_writers_blocks(
 @pytest.mark.parametrize("stopped", ["tcp"], indirect=True)
 def test_stopped_tcp_sender_is_cut_off_and_never_lands_later(stopped: StoppedSender) -> None:
     receiver, handover = stopped.receiver, stopped.handover
-    assert receiver.wait("t", 10.0) is TransferState.EXPIRED
+    assert receiver.wait("t", 30.0) is TransferState.EXPIRED
     # the receiving thread was mid-frame; cutting the connection stops it, then release
     assert eventually(lambda: handover.ids == ["t"], 20.0)
     counts = receiver.transfer_counts

@@ -83,3 +83,21 @@ def test_snapshot_reports_slots_and_recent_releases() -> None:
 def test_at_least_one_slot() -> None:
     with pytest.raises(ValueError, match="max_active must be >= 1"):
         SlotGate(0)
+
+
+def test_a_waiter_cancelled_as_its_slot_arrives_passes_it_on() -> None:
+    """The slot is handed over and the waiter cancelled in the same loop turn (its client
+    went away): the waiter must end cancelled, not stream on, and the slot must be free."""
+
+    async def scenario() -> None:
+        gate = SlotGate(1)
+        await gate.acquire(0, 5.0)
+        waiter = asyncio.create_task(gate.acquire(0, 5.0))
+        await asyncio.sleep(0)  # it waits
+        gate.release()  # hands the slot to the waiter
+        waiter.cancel()  # before the waiter ran again
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert gate.num_active == 0
+
+    asyncio.run(scenario())

@@ -18,6 +18,7 @@ import pytest
 
 from app.batch.execute import LineOutcome
 from app.batch.jobs import JobStore
+from app.batch.lines import InputLine
 from app.batch.pacing import Pacer, Window
 from app.batch.runner import JobRunner
 from app.batch.store import FileStore
@@ -270,3 +271,27 @@ def test_job_past_its_window_expires_keeping_finished_lines(tmp_path: Path) -> N
     assert batch["status"] == "expired" and batch["expired_at"] is not None
     assert batch["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
     assert [o["custom_id"] for o in job.output(batch["output_file_id"])] == ["c0"]
+
+
+def test_a_line_stopped_before_it_starts_gives_its_slots_back(tmp_path: Path) -> None:
+    """A pace tick can preempt a line whose task was created in the same loop turn and has
+    not run yet; its slots must come back all the same (they did only from the line's own
+    `finally`, which a task cancelled before its first step never runs)."""
+    job = Job(tmp_path, line("a", "p0") + line("b", "p1"))
+    runner = job.runner(Door())
+
+    async def scenario() -> None:
+        for index, prompt in enumerate(("p0", "p1")):
+            await runner.own_slots.acquire()
+            await runner.window.acquire()
+            body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+            runner._start_line(job.tenant, ENDPOINT, InputLine(index, f"c{index}", body))
+        tasks = list(runner.in_flight)
+        assert runner.window.num_taken == 2
+        assert runner.preempt(2) == 2  # before either task took a step
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert runner.window.num_taken == 0
+        assert runner.own_slots._value == 1_000_000  # every job slot back
+        assert [queued.custom_id for queued in runner.requeued] == ["c0", "c1"]
+
+    asyncio.run(scenario())
