@@ -22,7 +22,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -163,6 +166,10 @@ class Admission:
         self._ledger: Any = None  # the quota ledger's actor handle, once looked up
         self._background: set[asyncio.Task[Any]] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        # This replica, as the ledger knows the grants it holds (renewed while it holds
+        # any: a replica that dies holding some has them freed after the ledger's TTL).
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._held: set[str] = set()  # grant ids held, not yet released
 
     # ---- the request ------------------------------------------------------------------
 
@@ -234,12 +241,21 @@ class Admission:
         timeout_s = self._settings.queue_timeout_s
         try:
             code, retry_after_s = await self._call(
-                "acquire_slots", tenant, grant_id, demand, priority, timeout_s, wait_s=timeout_s
+                "acquire_slots",
+                tenant,
+                grant_id,
+                demand,
+                priority,
+                timeout_s,
+                self.owner,
+                wait_s=timeout_s,
             )
         except BaseException:
             self.release_slots(grant_id)  # whether it was granted or is still queued
             raise
-        if code is not None:
+        if code is None:
+            self._held.add(grant_id)
+        else:
             limit = Limit(code)
             value = self._limit_value(tenant, limit)
             raise _refusal(tenant, limit, value, retry_after_s)
@@ -275,6 +291,7 @@ class Admission:
         sent again (it is idempotent; a restarted ledger files an unknown grant as
         abandoned) until it is delivered: a lost release would hold the tenant's slot for
         good."""
+        self._held.discard(grant_id)
         self._spawn(self._release(grant_id))
 
     async def _release(self, grant_id: str) -> None:
@@ -338,10 +355,13 @@ class Admission:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
-        """Forever: return leases idle for `lease_ttl_s`, charge output debts."""
+        """Forever: renew this replica's grants, return leases idle for `lease_ttl_s`,
+        charge output debts."""
         ttl_s = self._settings.lease_ttl_s
         while True:
             await asyncio.sleep(ttl_s / 2)
+            if self._held:  # the ledger keeps this replica's grants while it hears from it
+                self._spawn(self._call("renew", self.owner))
             now = self._clock()
             for (tenant, limit), lease in self._leases.items():
                 idle = lease.idle_tokens(now, ttl_s)

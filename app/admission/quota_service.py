@@ -26,6 +26,12 @@ A request's slots are named by its grant id, so a release that overtakes its own
 client that went away) still frees them, and a release is idempotent. If the ledger
 restarts, the counts start from zero again (requests then in flight are not counted until
 they finish).
+
+A grant also names its owner, the ingress replica that holds it, which renews its claim
+(`renew`) while it holds any. An owner silent for `owner_ttl_s` is taken for dead (killed,
+crashed, or stopped before its last releases got out) and its grants are freed, so a dead
+ingress replica cannot hold a tenant's slots for good. A live owner stalled that long loses
+its grants early: its tenants may briefly run over their limit, never under it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ QUOTA_SERVICE_OPTIONS: dict[str, Any] = {
 LEDGER_MAX_CONCURRENCY = 10_000
 HEALTH_TIMEOUT_S = 10.0
 RETRY_AFTER_SLOT_S = 1.0  # no refill time for a slot: a client should try again soon
+OWNER_TTL_S = 60.0  # an ingress replica renews every ~1 s while it holds grants
 _MAX_ABANDONED = 10_000
 
 
@@ -73,9 +80,14 @@ class QuotaLedger:
         self,
         tenants: Mapping[str, tuple[TenantQuota, int | None]],
         clock: Callable[[], float] = time.monotonic,
+        owner_ttl_s: float = OWNER_TTL_S,
     ) -> None:
         """`tenants`: name -> (quota, max_concurrent_requests), as `tenant_quotas` gives."""
         self._clock = clock
+        self._owner_ttl_s = owner_ttl_s
+        self._owners: dict[str, float] = {}  # owner -> when it last called
+        self._grant_owners: dict[str, str] = {}  # grant id -> owner
+        self._reaper: asyncio.Task[None] | None = None
         now = clock()
         self._ledgers = {
             name: TenantLedger(quota, max_requests, now)
@@ -111,11 +123,30 @@ class QuotaLedger:
     # ---- concurrency slots ------------------------------------------------------------
 
     async def acquire_slots(
-        self, tenant: str, grant_id: str, demand: SlotDemand, priority: int, timeout_s: float
+        self,
+        tenant: str,
+        grant_id: str,
+        demand: SlotDemand,
+        priority: int,
+        timeout_s: float,
+        owner: str | None = None,
     ) -> tuple[str | None, float | None]:
         """Hold one request's slots: `(None, None)` when held (release with `grant_id`),
         else `(limit code, retry_after_s)`; retry None when no retry can succeed. Waits up
-        to `timeout_s` in the tenant's queue when the tenant allows queued requests."""
+        to `timeout_s` in the tenant's queue when the tenant allows queued requests.
+        `owner`: the ingress replica holding the grant (None: held until released)."""
+        if owner is not None:
+            self._seen(owner)
+            self._grant_owners[grant_id] = owner
+        try:
+            return await self._acquire_slots(tenant, grant_id, demand, priority, timeout_s)
+        finally:
+            if grant_id not in self._grants:  # not held: nothing to free when owner dies
+                self._grant_owners.pop(grant_id, None)
+
+    async def _acquire_slots(
+        self, tenant: str, grant_id: str, demand: SlotDemand, priority: int, timeout_s: float
+    ) -> tuple[str | None, float | None]:
         ledger = self._ledgers[tenant]
         slots, queue = ledger.slots, self._queues[tenant]
         if grant_id in self._abandoned:  # released before it got here: the caller is gone
@@ -152,7 +183,39 @@ class QuotaLedger:
         """Free a request's slots (idempotent), or withdraw it from the queue."""
         self._release(grant_id)
 
+    async def renew(self, owner: str) -> None:
+        """`owner` is alive: its grants stay held for another `owner_ttl_s`."""
+        self._seen(owner)
+
+    def _seen(self, owner: str) -> None:
+        self._owners[owner] = self._clock()
+        self.reap()
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    def reap(self) -> int:
+        """Free the grants of owners silent for `owner_ttl_s`; how many were freed."""
+        now = self._clock()
+        dead = {o for o, seen in self._owners.items() if now - seen > self._owner_ttl_s}
+        if not dead:
+            return 0
+        for owner in dead:
+            del self._owners[owner]
+        orphans = [g for g, owner in self._grant_owners.items() if owner in dead]
+        for grant_id in orphans:
+            if grant_id in self._grants:
+                self._release(grant_id)
+            self._grant_owners.pop(grant_id, None)
+        return len(orphans)
+
+    async def _reap_forever(self) -> None:
+        """While owners are known: reap now and then (waiters need no other call)."""
+        while self._owners:
+            await asyncio.sleep(self._owner_ttl_s / 4)
+            self.reap()
+
     def _release(self, grant_id: str) -> None:
+        self._grant_owners.pop(grant_id, None)
         held = self._grants.pop(grant_id, None)
         if held is None:
             if not self._unqueue(grant_id):

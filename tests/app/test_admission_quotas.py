@@ -178,6 +178,39 @@ def test_service_queue_times_out_and_release_before_acquire_wins() -> None:
     asyncio.run(scenario())
 
 
+def test_a_silent_owners_grants_are_freed_and_a_renewing_owners_kept() -> None:
+    """An ingress replica that dies holding grants (no release will come) frees them once
+    silent for the owner TTL; one that renews keeps its grants however long they run."""
+    clock = _Clock()
+    quotas = {"t": (TenantQuota(max_queued_requests=1), 1)}
+    ledger = QuotaLedger(quotas, clock=clock, owner_ttl_s=60)
+
+    async def scenario() -> None:
+        assert await ledger.acquire_slots("t", "a1", SlotDemand(1), 0, 10, "a") == (None, None)
+        code, _ = await ledger.acquire_slots("t", "b1", SlotDemand(1), 0, 0.01, "b")
+        assert code == Limit.CONCURRENT_REQUESTS.value
+        for _ in range(5):  # a renews for five minutes: its grant stays
+            clock.now += 59
+            await ledger.renew("a")
+            await ledger.renew("b")
+        assert ledger.reap() == 0
+        assert (await ledger.stats())["t"]["num_requests"] == 1
+        # a waiter of b's queues behind a's grant; then a falls silent (it died)
+        waiter = asyncio.ensure_future(ledger.acquire_slots("t", "b2", SlotDemand(1), 0, 30, "b"))
+        await asyncio.sleep(0)
+        clock.now += 61
+        await ledger.renew("b")  # any call reaps: a's grant goes, b's waiter gets it
+        assert await waiter == (None, None)
+        assert ledger.reap() == 0
+        await ledger.release_slots("a1")  # a late release of the freed grant changes nothing
+        assert (await ledger.stats())["t"]["num_requests"] == 1
+        await ledger.release_slots("b2")
+        assert (await ledger.stats())["t"]["num_requests"] == 0
+        assert ledger._grant_owners == {}  # nothing kept for refused or released grants
+
+    asyncio.run(scenario())
+
+
 # ---- the ingress side (Admission) against the in-process service --------------------------
 
 
@@ -330,5 +363,33 @@ def test_a_release_the_ledger_missed_is_sent_again(monkeypatch: pytest.MonkeyPat
             await asyncio.sleep(0.01)
         assert handle.failures == 0  # freed by the fourth attempt
         await replica.admit("t", "c", 5, 1, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_renews_its_grants_while_it_holds_them() -> None:
+    clock = _Clock()
+    quotas = {"t": (TenantQuota(), 2)}
+    ledger = QuotaLedger(quotas, clock=clock, owner_ttl_s=60)
+    handle = _InProcess(ledger)
+    settings = AdmissionSettings(lease_ttl_s=0.02)
+    replica = Admission(settings, quotas, handle, kv_pool_blocks={}, clock=clock)
+
+    async def renewals(calls: int) -> int:
+        before = handle.num_calls
+        await asyncio.sleep(calls * 0.01 + 0.2)
+        return handle.num_calls - before
+
+    async def scenario() -> None:
+        admitted = await replica.admit("t", "a", 5, 1, 0)
+        assert ledger._grant_owners == {"a": replica.owner}
+        clock.now += 50
+        assert await renewals(10) > 0  # the sweeper renews while "a" is held
+        clock.now += 50  # 100 s since the acquire, 50 since a renewal: still held
+        await ledger.renew("someone else")  # reaps
+        assert (await ledger.stats())["t"]["num_requests"] == 1
+        admitted.release()
+        await asyncio.sleep(0.05)
+        assert await renewals(10) == 0  # nothing held: nothing to renew
 
     asyncio.run(scenario())
