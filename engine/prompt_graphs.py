@@ -39,17 +39,23 @@ from engine.model import CausalLM, DecoderLayer, LayerHook
 
 MIN_TOKENS = 16
 MAX_TOKENS = 2048  # above this the host's launches are a small share of the step
+FINE_FROM = 512  # counts above this step by FINE_STEP (doubling would pad up to 2x)
+FINE_STEP = 256
+# A step runs eagerly rather than pad more than this (or a quarter of its tokens, if more):
+# padding computes every projection for nothing, while a large step's launches are hidden
+# behind its GPU time anyway.
+MAX_PADDING = 64
 
 
 def token_buckets(config: EngineConfig) -> tuple[int, ...]:
-    """16, 32, 64, ... up to the step's token budget (capped at `MAX_TOKENS`), which is
-    always one of them."""
+    """16, 32, ... 512, then every 256, up to the step's token budget (capped at
+    `MAX_TOKENS`), which is always one of them."""
     budget = min(config.scheduler.max_num_batched_tokens, MAX_TOKENS)
     sizes = {budget}
     size = MIN_TOKENS
     while size < budget:
         sizes.add(size)
-        size *= 2
+        size = size * 2 if size < FINE_FROM else size + FINE_STEP
     return tuple(sorted(sizes))
 
 
@@ -104,8 +110,14 @@ class PromptGraphs:
 
     def can_run(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Whether a step fits: it holds a prompt (decode-only steps have their own graphs)
-        and at most `max_tokens` tokens."""
-        return not metadata.is_decode_only and 0 < num_tokens <= self.max_tokens
+        and a token count it pads little (`MAX_PADDING`)."""
+        if metadata.is_decode_only or not 0 < num_tokens <= self.max_tokens:
+            return False
+        padding = self._size(num_tokens) - num_tokens
+        return padding <= max(MAX_PADDING, num_tokens // 4)
+
+    def _size(self, num_tokens: int) -> int:
+        return next(c for c in self.token_counts if c >= num_tokens)
 
     @torch.inference_mode()
     def run(
@@ -118,13 +130,14 @@ class PromptGraphs:
         """The step's final hidden states `[num_tokens, hidden]` (a view of a static
         buffer: read it before the next step)."""
         n = input_ids.shape[0]
-        size = next(c for c in self.token_counts if c >= n)
+        size = self._size(n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         if n < size:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
         graphs = self._graphs.get(size)
+        assert graphs is not None or not self.capture, f"no graphs captured for {size} tokens"
         caches = self.kv_cache
         for i, layer in enumerate(self.layers):
             self._segment(size, i, graphs)
@@ -170,8 +183,7 @@ class PromptGraphs:
         self.q[:size].copy_(q)
         self.k[:size].copy_(k)
         self.v[:size].copy_(v)
-        if residual.data_ptr() != self.residual.data_ptr():
-            self.residual[:size].copy_(residual)
+        self.residual[:size].copy_(residual)
 
     def _capture_all(self) -> None:
         """Warm up and capture every segment of every token count, largest first, into one

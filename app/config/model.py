@@ -126,12 +126,15 @@ class ModelSettings(_Strict):
         "read), for speed runs of a model without a checkpoint; outputs are noise.",
     )
     enforce_eager: bool = Field(
-        default=False, description="No CUDA graphs for decode steps (cuda, TP 1): all eager."
+        default=False,
+        description="No CUDA graphs for decode steps (cuda, TP 1): they run eagerly. Prompt "
+        "steps have their own switch (prompt_cuda_graphs).",
     )
     prompt_cuda_graphs: bool = Field(
         default=False,
         description="Steps holding a prompt (prefill, mixed) as CUDA graphs captured per "
-        "token count (16, 32, ... up to max_num_batched_tokens, at most 2048), split around "
+        "token count (16, 32, ... 512, then every 256 up to max_num_batched_tokens, at most "
+        "2048; a step that would pad more than 64 tokens or a quarter runs eagerly), split around "
         "attention, which runs eagerly between them (cuda, TP 1; prefill pools too). Cuts the "
         "host's kernel launches of a short prompt's step; off until measured on a GPU.",
     )

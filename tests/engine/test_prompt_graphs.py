@@ -142,8 +142,10 @@ def test_token_buckets_and_when_they_are_used() -> None:
         scheduler = SchedulerConfig(max_num_batched_tokens=budget)
         return EngineConfig(model_dir="tiny", scheduler=scheduler, **kwargs)  # type: ignore[arg-type]
 
-    assert token_buckets(config(2048)) == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert token_buckets(config(8192)) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+    ladder = (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
+    assert token_buckets(config(2048)) == ladder
+    assert token_buckets(config(8192)) == ladder
+    assert token_buckets(config(600)) == (16, 32, 64, 128, 256, 512, 600)
     assert token_buckets(config(100)) == (16, 32, 64, 100)
     assert token_buckets(config(8)) == (8,)
     on = {"prompt_cuda_graphs": True}
@@ -155,13 +157,57 @@ def test_token_buckets_and_when_they_are_used() -> None:
     assert settings.to_engine_config().prompt_cuda_graphs
 
 
+def test_a_step_that_would_pad_much_runs_eagerly(model_dir: str) -> None:
+    engine = make_engine(model_dir, "cpu", prompt_graphs=False)
+    graphs = PromptGraphs(engine.model, engine.kv_cache, (16, 512, 768))
+    engine.add_request(engine.make_request([5] * 10, SamplingParams(max_tokens=1)))
+    metadata = engine.runner.prepare(engine.scheduler.schedule()).metadata
+    assert graphs.can_run(1, metadata)  # 15 of padding: small in itself
+    assert graphs.can_run(650, metadata)  # 118 of padding, under a quarter of 650
+    assert not graphs.can_run(513, metadata)  # 255 of padding: more than a quarter
+
+
+def cuda_engine(model_dir: str, dtype: str, prompt_graphs: bool) -> Engine:
+    """Decode graphs on and prefix caching on, as a decode replica runs: prompt graphs
+    beside them, shared prefixes attended from the cache."""
+    config = EngineConfig(
+        model_dir=model_dir,
+        device="cuda",
+        dtype=dtype,
+        cache=CacheConfig(kv_cache_bytes=1 << 22, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=8),
+    )
+    return Engine(config, prompt_graphs=prompt_graphs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_captured_prompt_graphs_give_the_eager_tokens(model_dir: str) -> None:
-    eager = make_engine(model_dir, "cuda", prompt_graphs=False)
-    captured = make_engine(model_dir, "cuda", prompt_graphs=True)
-    token_prompts = prompts()
-    assert generate(captured, token_prompts) == generate(eager, token_prompts)
+    eager = cuda_engine(model_dir, "float32", prompt_graphs=False)
+    captured = cuda_engine(model_dir, "float32", prompt_graphs=True)
+    shared = prompts()[5][:40]  # later prompts start with it: cached blocks attended
+    token_prompts = [*prompts(), shared + [7] * 30, shared + [9] * 50]
+    for batch in (token_prompts[:7], token_prompts[7:]):
+        assert generate(captured, batch) == generate(eager, batch)
     graphs = captured.runner.prompt_graphs
-    assert graphs is not None and graphs.capture and graphs.num_replays >= 3
-    assert captured.kv_manager.num_free_blocks == captured.kv_manager.pool.num_blocks
+    assert graphs is not None and graphs.capture and graphs.num_replays >= 4
+    assert set(graphs._graphs) == set(graphs.token_counts)  # every count captured
+    assert captured.runner.graphs is not None and captured.runner.graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_captured_bfloat16_step_matches_the_eager_model(model_dir: str) -> None:
+    """bfloat16 runs the Triton norm and RoPE kernels under capture; the layer hook runs
+    between the graphs. Hidden rows equal the eager model's to bfloat16's precision."""
+    engine = cuda_engine(model_dir, "bfloat16", prompt_graphs=True)
+    graphs = engine.runner.prompt_graphs
+    assert graphs is not None and graphs.capture
+    engine.add_request(engine.make_request(prompts()[4], SamplingParams(max_tokens=1)))
+    model_input = engine.runner.prepare(engine.scheduler.schedule())
+    ids, positions, metadata = model_input.input_ids, model_input.positions, model_input.metadata
+    hooked: list[int] = []
+    hidden = graphs.run(ids, positions, metadata, hooked.append).clone()
+    expected = engine.model(ids, positions, engine.kv_cache, metadata)
+    torch.testing.assert_close(hidden, expected, rtol=2e-2, atol=2e-2)
+    assert hooked == list(range(engine.model_config.num_hidden_layers))
