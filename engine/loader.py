@@ -19,7 +19,8 @@ from safetensors import safe_open
 from engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
 from engine.kernels.fp8 import FP8_DTYPE
 from engine.kv_cache import TORCH_DTYPES
-from engine.model import CausalLM, RotaryEmbedding
+from engine.layers import RotaryEmbedding
+from engine.model import CausalLM
 from engine.parallel import TensorParallel
 from engine.quantization import (
     QUANTIZATION_METHODS,

@@ -150,7 +150,7 @@ def cast_floating_(model: nn.Module, dtype: torch.dtype) -> None:
 class Fp8Linear(nn.Module):
     """`y = x @ (q * scale)^T + b` with FP8 weights `q` and per-output-channel scales.
 
-    Same layout as `engine.model.Linear`: `weight_t` is `[in, out]` (FP8), `weight_scale`
+    Same layout as `engine.layers.Linear`: `weight_t` is `[in, out]` (FP8), `weight_scale`
     `[out]` float32, `bias` in the model dtype.
     """
 

@@ -37,7 +37,8 @@ from engine.kernels.native import kernel_source, labelled, load_library
 
 if TYPE_CHECKING:
     from engine.kv_cache import KVCache
-    from engine.model import CausalLM, DecoderLayer, Linear
+    from engine.layers import Linear
+    from engine.model import CausalLM, DecoderLayer
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -225,7 +226,7 @@ class DecodeLayers:
         """The fused path for this model and cache, or None where it does not apply (then
         the layer-by-layer path runs, as it always may): float32 weights (the C GEMM's) and
         cache, or bfloat16 weights (the AMX GEMM's) and cache."""
-        from engine.model import Linear
+        from engine.layers import Linear
 
         driver = _driver()
         if driver is None or model.tp.size != 1:

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from engine import model as model_module
+from engine import layers
 from engine.config import ModelConfig
 from engine.kernels import gemm_f32
 from engine.model import MLP
@@ -48,12 +48,12 @@ def test_same_output_with_and_without_the_scratch(monkeypatch: pytest.MonkeyPatc
     x = torch.randn(37, 96)
     with torch.no_grad():
         with_scratch = mlp(x)
-        bufs = dict(model_module._scratch.bufs)
+        bufs = dict(layers.scratch.bufs)
         assert bufs["gate_up"].numel() >= 37 * 2 * 144 and bufs["act"].numel() >= 37 * 144
         again = mlp(torch.randn(5, 96))  # a smaller call reuses the same buffers
-        assert all(model_module._scratch.bufs[k] is v for k, v in bufs.items())
+        assert all(layers.scratch.bufs[k] is v for k, v in bufs.items())
         assert again.shape == (5, 96)
-        monkeypatch.setattr(model_module._Scratch, "MAX_BYTES", 0)
+        monkeypatch.setattr(layers.Scratch, "MAX_BYTES", 0)
         without = mlp(x)
     assert torch.equal(with_scratch, without)
 
@@ -63,13 +63,13 @@ def test_each_thread_has_its_own_buffer() -> None:
     x = torch.randn(8, 96)
     with torch.no_grad():
         mlp(x)
-    main_buf = model_module._scratch.bufs["gate_up"]
+    main_buf = layers.scratch.bufs["gate_up"]
     seen: list[torch.Tensor] = []
 
     def run() -> None:
         with torch.no_grad():
             mlp(x)
-        seen.append(model_module._scratch.bufs["gate_up"])
+        seen.append(layers.scratch.bufs["gate_up"])
 
     thread = threading.Thread(target=run)
     thread.start()

@@ -15,7 +15,7 @@ from engine.kernels.linear import (
     packing,
     uses_onednn,
 )
-from engine.model import Linear
+from engine.layers import Linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (atol, rtol): float32 sums in another order; bfloat16 rounds the output once
@@ -99,7 +99,7 @@ def test_module_packs_in_place_of_its_weight(
         pytest.skip(f"oneDNN cannot run {dtype} on this CPU")
     if kind == "f32" and not gemm_f32.available():
         pytest.skip("the float32 C GEMM needs AVX-512, a C compiler and MKL's order")
-    monkeypatch.setattr("engine.model.packing", lambda weight_t: kind)
+    monkeypatch.setattr("engine.layers.packing", lambda weight_t: kind)
     torch.manual_seed(1)
     layer = Linear(48, 80, bias).to(dtype)
     with torch.no_grad():
