@@ -748,3 +748,23 @@ def test_handle_api_from_another_application(server: Server, hf: HFGreedy) -> No
     assert result["finished"][-1] and not any(result["finished"][:-1])
     assert result["num_prompt_tokens"] == len(ref.prompt_ids)
     assert "pool prefill" in result["route"]
+
+
+def test_handle_generate_finds_the_app_by_its_ingress(server: Server, hf: HFGreedy) -> None:
+    """`app.handle.generate` without an app name, from this driver: the app is found from the
+    controller's details (`find_app_name`) and the stream is `transformers`' greedy answer."""
+    import asyncio
+
+    from app.handle import GenerateRequest, generate
+    from app.serve.apps import find_app_name
+
+    assert find_app_name() == "pdserve"
+
+    async def stream() -> list[Any]:
+        request = GenerateRequest(prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+        return [chunk async for chunk in generate(request)]
+
+    chunks = asyncio.run(stream())
+    ref = hf.complete(PROMPTS[0], MAX_TOKENS)
+    assert [t for chunk in chunks for t in chunk.token_ids] == ref.output_ids
+    assert chunks[-1].finished and not any(chunk.finished for chunk in chunks[:-1])

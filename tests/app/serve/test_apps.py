@@ -28,7 +28,7 @@ def _cluster(monkeypatch: pytest.MonkeyPatch, ingress_of: dict[str, tuple[str, .
             raise RayServeException(f"Application '{name}' does not exist.")
         return SimpleNamespace(deployment_name=ingress_of[name][0])
 
-    monkeypatch.setattr(apps.serve, "status", lambda: status)
+    monkeypatch.setattr(apps, "replica_states", lambda: status)
     monkeypatch.setattr(apps.serve, "get_app_handle", get_app_handle)
 
 
