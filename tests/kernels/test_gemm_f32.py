@@ -39,6 +39,23 @@ def test_bit_for_bit_with_mkl(rows: int, bias: bool, shape: tuple[int, int]) -> 
     assert torch.equal(out, expected)
 
 
+def test_bit_for_bit_over_many_row_chunks_and_threads() -> None:
+    """A prefill step's GEMM: many row chunks, whose column blocks the threads take as they
+    come free (`schedule(dynamic)`, so a thread the OS descheduled does not hold the other
+    at a barrier); whichever thread computes a block, its sums are the same."""
+    for rows, (k, n) in [(2048, (576, 960)), (333, (1536, 576))]:
+        torch.set_num_threads(2)
+        x, weight_t, b = _operands(rows, k, n, True, seed=rows)
+        expected = F.linear(x, weight_t.t().contiguous(), b)
+        packed = gemm_f32.pack(weight_t)
+        try:
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(gemm_f32.gemm(x, packed, n, b), expected), (rows, threads)
+        finally:
+            torch.set_num_threads(2)
+
+
 def _chains_reference(x, weight_t, bias, length: int, halves: bool) -> torch.Tensor:
     """`x @ W + bias` summed in one of `ORDERS`: each chain a sequence of fused multiply-adds
     from zero (a float32 product is exact in float64; the float64 add then rounds to

@@ -87,7 +87,9 @@ int pd_gemm_bf16(int64_t M, int64_t K, int64_t N, const uint16_t* x, int64_t ldx
         float c[32 * NB] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
             const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
-            #pragma omp for schedule(static)
+            /* guided: long runs of blocks first (the prefetch streams through them), the
+               last ones to whichever thread is free (see gemm_f32.c) */
+            #pragma omp for schedule(guided)
             for (int64_t jb = 0; jb < nblocks; jb++) {
                 const uint16_t* wb = wp + jb * steps * 2 * TILE_ELEMS;
                 const int64_t j0 = jb * NB, width = N - j0 < NB ? N - j0 : NB;
@@ -202,7 +204,7 @@ int pd_gemm_bf16_avx512(int64_t M, int64_t K, int64_t N, const uint16_t* x, int6
         float c[8 * NB] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
             const int64_t m1 = m0 + M_CHUNK < M ? m0 + M_CHUNK : M;
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(guided)
             for (int64_t jb = 0; jb < nblocks; jb++) {
                 const uint16_t* w = wp + jb * steps * 2 * TILE_ELEMS;
                 const int64_t j0 = jb * NB;
