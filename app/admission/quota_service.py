@@ -202,10 +202,8 @@ class QuotaLedger:
         for owner in dead:
             del self._owners[owner]
         orphans = [g for g, owner in self._grant_owners.items() if owner in dead]
-        for grant_id in orphans:
-            if grant_id in self._grants:
-                self._release(grant_id)
-            self._grant_owners.pop(grant_id, None)
+        for grant_id in orphans:  # held: freed; still queued: withdrawn (granted later, it
+            self._release(grant_id)  # would have no owner left to free it)
         return len(orphans)
 
     async def _reap_forever(self) -> None:

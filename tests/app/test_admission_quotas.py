@@ -211,6 +211,32 @@ def test_a_silent_owners_grants_are_freed_and_a_renewing_owners_kept() -> None:
     asyncio.run(scenario())
 
 
+def test_a_silent_owners_queued_request_is_withdrawn_not_granted_ownerless() -> None:
+    """A request still queued when its owner is reaped leaves the queue (its caller is
+    gone): had it been granted afterwards it would have had no owner to free it."""
+    clock = _Clock()
+    quotas = {"t": (TenantQuota(max_queued_requests=2), 1)}
+    ledger = QuotaLedger(quotas, clock=clock, owner_ttl_s=60)
+
+    async def scenario() -> None:
+        assert await ledger.acquire_slots("t", "b1", SlotDemand(1), 0, 10, "b") == (None, None)
+        waiter = asyncio.ensure_future(
+            ledger.acquire_slots("t", "a1", SlotDemand(1), 0, 600, "a")
+        )
+        await asyncio.sleep(0)
+        assert (await ledger.stats())["t"]["num_queued"] == 1
+        clock.now += 61
+        await ledger.renew("b")  # a is silent: its queued request is withdrawn
+        code, _ = await asyncio.wait_for(waiter, 5)  # old code: waits out its 600 s
+        assert code == Limit.CONCURRENT_REQUESTS.value
+        await ledger.release_slots("b1")
+        stats = (await ledger.stats())["t"]
+        assert stats["num_requests"] == 0 and stats["num_queued"] == 0
+        assert ledger._grant_owners == {}
+
+    asyncio.run(scenario())
+
+
 # ---- the ingress side (Admission) against the in-process service --------------------------
 
 
