@@ -220,9 +220,7 @@ def test_a_silent_owners_queued_request_is_withdrawn_not_granted_ownerless() -> 
 
     async def scenario() -> None:
         assert await ledger.acquire_slots("t", "b1", SlotDemand(1), 0, 10, "b") == (None, None)
-        waiter = asyncio.ensure_future(
-            ledger.acquire_slots("t", "a1", SlotDemand(1), 0, 600, "a")
-        )
+        waiter = asyncio.ensure_future(ledger.acquire_slots("t", "a1", SlotDemand(1), 0, 600, "a"))
         await asyncio.sleep(0)
         assert (await ledger.stats())["t"]["num_queued"] == 1
         clock.now += 61
