@@ -51,16 +51,19 @@ class LineExecutor:
         slo_class: str | None,
         delta_interval_s: float = 0.0,
         local_prefill_max_tokens: int = 0,
+        busy_local_prefill_max_tokens: int = 0,
     ) -> None:
         """`slo_class`: the class lines ask for (the batch class), None for the tenant's
         default; a tenant whose default is less important than it keeps its default.
         `delta_interval_s`: how often the decode pool sends a line's tokens (merged).
         `local_prefill_max_tokens`: while `idle()` (the batch service's pacer says so), a
-        line with at most this many prompt tokens is prefilled on its decode replica."""
+        line with at most this many prompt tokens is prefilled on its decode replica;
+        `busy_local_prefill_max_tokens`: the same bound while it is not."""
         self.frontend = frontend
         self.slo_class = slo_class
         self.delta_interval_s = delta_interval_s
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.busy_local_prefill_max_tokens = busy_local_prefill_max_tokens
         self.idle: Callable[[], bool] = lambda: False
         self.token_strings = TokenStrings(frontend.tokenizer)
         self._decode_pools = {p.name for p in frontend.config.pools_by_role("decode")}
@@ -107,9 +110,8 @@ class LineExecutor:
             raise BadRequestError("a batch line cannot stream", param="stream")
         prepared = await self.frontend.admit(tenant, entry)
         idle = self.idle()
-        route = line_route(
-            prepared.route, len(prepared.prompt_token_ids), self.local_prefill_max_tokens, idle
-        )
+        max_tokens = self.local_prefill_max_tokens if idle else self.busy_local_prefill_max_tokens
+        route = line_route(prepared.route, len(prepared.prompt_token_ids), max_tokens, idle)
         spare = line_is_spare(route, idle, self._decode_pools)
         prepared = dataclasses.replace(
             prepared, route=route, delta_interval_s=self.delta_interval_s, spare=spare
@@ -138,17 +140,20 @@ class LineExecutor:
 def line_route(
     route: RouteDecision, num_prompt_tokens: int, local_prefill_max_tokens: int, idle: bool
 ) -> RouteDecision:
-    """A line's placed `route`, or on an idle service (for a prompt of at most
-    `local_prefill_max_tokens`) its decode pool prefilling it: no prefill call and no KV
-    transfer per line, and nothing more important decoding beside it."""
-    if route.local_prefill or num_prompt_tokens > local_prefill_max_tokens or not idle:
+    """A line's placed `route`, or (for a prompt of at most `local_prefill_max_tokens`,
+    the bound of the service's state) its decode pool prefilling it: no prefill call and no
+    KV transfer per line. Idle, nothing more important decodes beside it; busy, a short
+    prompt delays the decode replica's next step a little (a TPOT the SLO absorbs) instead
+    of queueing in front of interactive prompts at a prefill pool (their TTFT)."""
+    if route.local_prefill or num_prompt_tokens > local_prefill_max_tokens:
         return route
+    state = "an idle service" if idle else "a busy service, a short prompt"
     return dataclasses.replace(
         route,
         prefill_pool=None,
         local_prefill=True,
         computes=None,
-        reason=f"{route.reason}; a batch line on an idle service: prefilled where it decodes",
+        reason=f"{route.reason}; a batch line on {state}: prefilled where it decodes",
     )
 
 

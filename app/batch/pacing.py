@@ -8,8 +8,8 @@ limit every `pace_period_s` from what it observes:
   a job at large batches from its first second (doubling from `busy_concurrency` took
   1.25 s at the default pace, a third of a 320-line job on `tiny`; the lines a sudden
   arrival needs back are preempted below, so a full window costs it no more than a ramp
-  would), and short lines prefill where they decode (`LineExecutor`,
-  `batch.local_prefill_max_tokens`);
+  would), and lines of up to `batch.local_prefill_max_tokens` prefill where they decode
+  (`LineExecutor`; under load only those of up to `busy_local_prefill_max_tokens`);
 - more important requests running here, or seen within the quiet period: the limit drops
   to `busy_concurrency` at once, then grows by one per period up to it;
 - more important work queued at a pool (a decode replica's admission waiters, prompt tokens

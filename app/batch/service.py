@@ -252,4 +252,5 @@ def line_executor(frontend: Any, settings: BatchSettings) -> LineExecutor:
         settings.slo_class if configured else None,
         settings.delta_interval_s,
         settings.local_prefill_max_tokens,
+        settings.busy_local_prefill_max_tokens,
     )

@@ -73,8 +73,17 @@ class BatchSettings(_Strict):
         description="While the service is idle (as pacing sees it: the window at "
         "max_concurrency), a line whose prompt has at most this many tokens is prefilled on "
         "its decode replica instead of being handed off: no prefill call and no KV transfer "
-        "per line. Under more important load lines keep their placed route, so their "
-        "prompts do not compute beside interactive decoding. 0: never.",
+        "per line. Under more important load busy_local_prefill_max_tokens applies instead. "
+        "0: never.",
+    )
+    busy_local_prefill_max_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="Under more important load, a line whose prompt has at most this many "
+        "tokens is still prefilled on its decode replica: it lengthens that replica's next "
+        "step by its prefill (the interactive requests there lose a little TPOT) instead of "
+        "queueing at a prefill pool in front of interactive prompts (their TTFT). Longer "
+        "prompts keep their placed route. 0: never under load.",
     )
     pace_period_s: float = Field(
         default=0.25, gt=0, allow_inf_nan=False, description="How often the pace is adjusted."

@@ -113,13 +113,16 @@ def test_queued_ahead_reads_more_important_waiters_only() -> None:
     assert queued_ahead([{"pending_tokens_by_priority": {"0": 12}}], priority=10)
 
 
-def test_short_lines_prefill_where_they_decode_only_when_idle() -> None:
+def test_lines_within_the_bound_prefill_where_they_decode() -> None:
     placed = RouteDecision("short", "decode", False, 10, "64 tokens: short", ("short", 64))
     local = line_route(placed, 64, 1024, idle=True)
     assert (local.prefill_pool, local.decode_pool, local.local_prefill) == (None, "decode", True)
     assert local.computes is None and local.priority == 10
     assert "idle service" in local.reason
-    assert line_route(placed, 64, 1024, idle=False) is placed  # interactive work around
+    busy = line_route(placed, 64, 64, idle=False)  # off the prefill pool interactive uses
+    assert (busy.prefill_pool, busy.local_prefill) == (None, True)
+    assert "busy service" in busy.reason
+    assert line_route(placed, 65, 64, idle=False) is placed  # the busy bound is the caller's
     assert line_route(placed, 2000, 1024, idle=True) is placed  # too long to run beside decode
     assert line_route(placed, 64, 0, idle=True) is placed  # turned off
     already = RouteDecision(None, "decode", True, 10, "under 32 tokens")
