@@ -201,6 +201,7 @@ class Frontend:
             slo_class=entry.slo_class,
             timeout_s=entry.timeout_s,
             timeout_param=entry.timeout_param,
+            local_prefill_max_tokens=entry.local_prefill_max_tokens,
         )
 
     def check_params(self, params: SamplingParams) -> None:
@@ -224,11 +225,13 @@ class Frontend:
         slo_class: str | None = None,
         timeout_s: float | None = None,
         timeout_param: str = "timeout",
+        local_prefill_max_tokens: int = 0,
     ) -> PreparedRequest:
         """`admit`'s steps after tokenizing (`params` already checked): resolve the SLO class
         (`slo_class`: the one asked for, if any), check the prompt and place it, set its
         deadline and shed it when overloaded. Raises an `APIError` (→ 4xx) on bad input;
-        `prompt_param` names the prompt's field in errors about it."""
+        `prompt_param` names the prompt's field in errors about it;
+        `local_prefill_max_tokens`: see `Placement.place`."""
         started_ns = time.time_ns()
         service_class = self.classes.resolve(tenant, slo_class)
         self.arrivals_by_priority[service_class.priority] += 1
@@ -241,6 +244,7 @@ class Frontend:
             checks=lambda: self._check_prompt(prompt_token_ids, params, prompt_param),
             prompt_param=prompt_param,
             prompt_token_ids=prompt_token_ids,
+            local_prefill_max_tokens=local_prefill_max_tokens,
         )
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.

@@ -55,3 +55,6 @@ class Entry:
     slo_class: str | None = None  # the class asked for, if any
     timeout_s: float | None = None  # the deadline asked for, if any
     timeout_param: str = "timeout"  # where it was asked for
+    # A prompt of at most this many tokens prefills on its decode pool, whatever the load
+    # (batch lines: `LineExecutor`); 0: placement decides.
+    local_prefill_max_tokens: int = 0

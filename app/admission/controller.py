@@ -170,6 +170,7 @@ class Admission:
         # any: a replica that dies holding some has them freed after the ledger's TTL).
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._held: set[str] = set()  # grant ids held, not yet released
+        self._queued: set[str] = set()  # grant ids waiting in a tenant's queue
 
     # ---- the request ------------------------------------------------------------------
 
@@ -239,6 +240,7 @@ class Admission:
         self, tenant: str, grant_id: str, demand: SlotDemand, priority: int
     ) -> None:
         timeout_s = self._settings.queue_timeout_s
+        self._queued.add(grant_id)  # renewed while queued too (the ledger reaps silent owners)
         try:
             code, retry_after_s = await self._call(
                 "acquire_slots",
@@ -253,6 +255,8 @@ class Admission:
         except BaseException:
             self.release_slots(grant_id)  # whether it was granted or is still queued
             raise
+        finally:
+            self._queued.discard(grant_id)
         if code is None:
             self._held.add(grant_id)
         else:
@@ -360,7 +364,7 @@ class Admission:
         ttl_s = self._settings.lease_ttl_s
         while True:
             await asyncio.sleep(ttl_s / 2)
-            if self._held:  # the ledger keeps this replica's grants while it hears from it
+            if self._held or self._queued:  # the ledger keeps them while it hears from it
                 self._spawn(self._call("renew", self.owner))
             now = self._clock()
             for (tenant, limit), lease in self._leases.items():

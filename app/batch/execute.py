@@ -57,8 +57,9 @@ class LineExecutor:
         default; a tenant whose default is less important than it keeps its default.
         `delta_interval_s`: how often the decode pool sends a line's tokens (merged).
         `local_prefill_max_tokens`: while `idle()` (the batch service's pacer says so), a
-        line with at most this many prompt tokens is prefilled on its decode replica;
-        `busy_local_prefill_max_tokens`: the same bound while it is not."""
+        line with at most this many prompt tokens is prefilled on its decode replica (placed
+        so, `Entry.local_prefill_max_tokens`); `busy_local_prefill_max_tokens`: the same
+        bound while it is not, never above the first (0 there turns both off)."""
         self.frontend = frontend
         self.slo_class = slo_class
         self.delta_interval_s = delta_interval_s
@@ -96,25 +97,32 @@ class LineExecutor:
         request: CompletionRequest | ChatCompletionRequest
         builder_class: type[CompletionBuilder] | type[ChatBuilder]
         slo_class = self.line_class(tenant)
+        idle = self.idle()
+        local_max = self.local_prefill_max_tokens
+        if not idle:
+            local_max = min(local_max, self.busy_local_prefill_max_tokens)
         if endpoint == "/v1/completions":
             request = CompletionRequest.model_validate(body)
-            entry = _entry(request, slo_class, prompt=request.prompt, prompt_param="prompt")
+            entry = _entry(
+                request, slo_class, local_max, prompt=request.prompt, prompt_param="prompt"
+            )
             builder_class = CompletionBuilder
         else:
             request = ChatCompletionRequest.model_validate(body)
             entry = _entry(
-                request, slo_class, messages=request.chat_messages(), prompt_param="messages"
+                request,
+                slo_class,
+                local_max,
+                messages=request.chat_messages(),
+                prompt_param="messages",
             )
             builder_class = ChatBuilder
         if request.stream:
             raise BadRequestError("a batch line cannot stream", param="stream")
-        prepared = await self.frontend.admit(tenant, entry)
-        idle = self.idle()
-        max_tokens = self.local_prefill_max_tokens if idle else self.busy_local_prefill_max_tokens
-        route = line_route(prepared.route, len(prepared.prompt_token_ids), max_tokens, idle)
-        spare = line_is_spare(route, idle, self._decode_pools)
+        prepared = await self.frontend.admit(tenant, entry)  # may wait for a quota slot
+        spare = line_is_spare(prepared.route, self.idle(), self._decode_pools)
         prepared = dataclasses.replace(
-            prepared, route=route, delta_interval_s=self.delta_interval_s, spare=spare
+            prepared, delta_interval_s=self.delta_interval_s, spare=spare
         )
         builder = builder_class(
             self.frontend.model_name,
@@ -137,26 +145,6 @@ class LineExecutor:
         )
 
 
-def line_route(
-    route: RouteDecision, num_prompt_tokens: int, local_prefill_max_tokens: int, idle: bool
-) -> RouteDecision:
-    """A line's placed `route`, or (for a prompt of at most `local_prefill_max_tokens`,
-    the bound of the service's state) its decode pool prefilling it: no prefill call and no
-    KV transfer per line. Idle, nothing more important decodes beside it; busy, a short
-    prompt delays the decode replica's next step a little (a TPOT the SLO absorbs) instead
-    of queueing in front of interactive prompts at a prefill pool (their TTFT)."""
-    if route.local_prefill or num_prompt_tokens > local_prefill_max_tokens:
-        return route
-    state = "an idle service" if idle else "a busy service, a short prompt"
-    return dataclasses.replace(
-        route,
-        prefill_pool=None,
-        local_prefill=True,
-        computes=None,
-        reason=f"{route.reason}; a batch line on {state}: prefilled where it decodes",
-    )
-
-
 def line_is_spare(route: RouteDecision, idle: bool, decode_pools: Collection[str]) -> bool:
     """Whether a line on `route` may take the cores idle replicas leave
     (`GenerationSpec.spare`, `model.spare_num_threads`): sent on an idle service and
@@ -167,14 +155,19 @@ def line_is_spare(route: RouteDecision, idle: bool, decode_pools: Collection[str
 
 
 def _entry(
-    request: CompletionRequest | ChatCompletionRequest, slo_class: str | None, **prompt: Any
+    request: CompletionRequest | ChatCompletionRequest,
+    slo_class: str | None,
+    local_prefill_max_tokens: int,
+    **prompt: Any,
 ) -> Entry:
-    """The front door's view of a line's body, in the batch class."""
+    """The front door's view of a line's body, in the batch class; a prompt of at most
+    `local_prefill_max_tokens` is placed to prefill where it decodes (`Placement.place`)."""
     return Entry(
         model=request.model,
         sampling_params=request.to_sampling_params,
         n=request.n,
         slo_class=slo_class,
         timeout_s=request.timeout,
+        local_prefill_max_tokens=local_prefill_max_tokens,
         **prompt,
     )

@@ -83,7 +83,8 @@ class BatchSettings(_Strict):
         "tokens is still prefilled on its decode replica: it lengthens that replica's next "
         "step by its prefill (the interactive requests there lose a little TPOT) instead of "
         "queueing at a prefill pool in front of interactive prompts (their TTFT). Longer "
-        "prompts keep their placed route. 0: never under load.",
+        "prompts keep their placed route. Never above local_prefill_max_tokens (0 there "
+        "turns both off). 0: never under load.",
     )
     pace_period_s: float = Field(
         default=0.25, gt=0, allow_inf_nan=False, description="How often the pace is adjusted."

@@ -391,6 +391,36 @@ def test_a_release_the_ledger_missed_is_sent_again(monkeypatch: pytest.MonkeyPat
     asyncio.run(scenario())
 
 
+def test_a_replica_renews_while_its_request_waits_in_the_queue() -> None:
+    """A request queued past the owner TTL (a long `queue_timeout_s`) is not withdrawn as a
+    dead owner's: its replica renews while it waits, and it gets the slot when freed."""
+    clock = _Clock()
+    quotas = {"t": (TenantQuota(max_queued_requests=1), 1)}
+    ledger = QuotaLedger(quotas, clock=clock, owner_ttl_s=60)
+    handle = _InProcess(ledger)
+    holder = Admission(
+        AdmissionSettings(lease_ttl_s=0.02), quotas, handle, kv_pool_blocks={}, clock=clock
+    )
+    settings = AdmissionSettings(lease_ttl_s=0.02, queue_timeout_s=600)
+    waiter = Admission(settings, quotas, handle, kv_pool_blocks={}, clock=clock)
+
+    async def scenario() -> None:
+        held = await holder.admit("t", "a", 5, 1, 0)
+        queued = asyncio.ensure_future(waiter.admit("t", "b", 5, 1, 0))
+        while not (await ledger.stats())["t"]["num_queued"]:
+            await asyncio.sleep(0.01)
+        for _ in range(3):  # 150 s queued, both replicas renewing
+            clock.now += 50
+            await asyncio.sleep(0.1)
+            await ledger.renew("someone else")  # reaps
+        assert (await ledger.stats())["t"]["num_queued"] == 1
+        held.release()
+        admitted = await asyncio.wait_for(queued, 10)
+        admitted.release()
+
+    asyncio.run(scenario())
+
+
 def test_a_replica_renews_its_grants_while_it_holds_them() -> None:
     clock = _Clock()
     quotas = {"t": (TenantQuota(), 2)}

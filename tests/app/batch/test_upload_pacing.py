@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from app.batch.execute import line_is_spare, line_route
+from app.batch.execute import line_is_spare
 from app.batch.pacing import GAP_WEIGHT, MAX_QUIET_FACTOR, Load, Pacer, queued_ahead
 from app.batch.upload import read_upload
 from app.config import BatchSettings
 from app.errors import BadRequestError, PayloadTooLargeError
+from app.routing.placement import prefilled_where_it_decodes
 from app.routing.pool_router import RouteDecision
 
 BOUNDARY = "b0undary"
@@ -113,25 +114,9 @@ def test_queued_ahead_reads_more_important_waiters_only() -> None:
     assert queued_ahead([{"pending_tokens_by_priority": {"0": 12}}], priority=10)
 
 
-def test_lines_within_the_bound_prefill_where_they_decode() -> None:
-    placed = RouteDecision("short", "decode", False, 10, "64 tokens: short", ("short", 64))
-    local = line_route(placed, 64, 1024, idle=True)
-    assert (local.prefill_pool, local.decode_pool, local.local_prefill) == (None, "decode", True)
-    assert local.computes is None and local.priority == 10
-    assert "idle service" in local.reason
-    busy = line_route(placed, 64, 64, idle=False)  # off the prefill pool interactive uses
-    assert (busy.prefill_pool, busy.local_prefill) == (None, True)
-    assert "busy service" in busy.reason
-    assert line_route(placed, 65, 64, idle=False) is placed  # the busy bound is the caller's
-    assert line_route(placed, 2000, 1024, idle=True) is placed  # too long to run beside decode
-    assert line_route(placed, 64, 0, idle=True) is placed  # turned off
-    already = RouteDecision(None, "decode", True, 10, "under 32 tokens")
-    assert line_route(already, 8, 1024, idle=True) is already
-
-
 def test_only_idle_lines_computed_whole_on_a_decode_pool_are_spare() -> None:
     placed = RouteDecision("short", "decode", False, 10, "64 tokens: short")
-    local = line_route(placed, 64, 1024, idle=True)
+    local = prefilled_where_it_decodes(placed, "a batch line")
     pools = {"decode"}
     assert line_is_spare(local, idle=True, decode_pools=pools)
     assert not line_is_spare(local, idle=False, decode_pools=pools)  # something else runs
