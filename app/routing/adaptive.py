@@ -185,14 +185,13 @@ class AdaptivePrefill:
             self._local[pair] = bool(choice.local)
         if choice.local and prefill_loads is not None:
             choice = self._probe(pair, choice, prefill_loads, now)
-        reason = f"{route.reason}; adaptive ({route.prefill_pool} vs {route.decode_pool}): "
-        reason += choice.reason
+        why = f"adaptive ({route.prefill_pool} vs {route.decode_pool}): {choice.reason}"
         if not choice.local:
             self._last_remote[pair] = now
             self._sent.add(route.prefill_pool, num_prompt_tokens, now)
-            return dataclasses.replace(route, reason=reason)
+            return dataclasses.replace(route, reason=f"{route.reason}; {why}")
         self._sent.add(route.decode_pool, num_prompt_tokens, now)
-        return dataclasses.replace(route, prefill_pool=None, local_prefill=True, reason=reason)
+        return route.prefilled_locally(why)
 
     def _probe(
         self,

@@ -5,7 +5,6 @@ with its figures, so the route a request carries says why it went where it went.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 from app.errors import BadRequestError
@@ -43,9 +42,9 @@ class Placement:
         pool, so a request refused by its checks is never counted. `prompt_param` names
         the prompt's field in the rules' errors about its length; `prompt_token_ids`, when
         given, let decode overflow keep a conversation where its history is cached. A
-        prompt of at most `local_prefill_max_tokens` prefills on its decode pool instead of
-        the adaptive choice (batch lines): nothing is counted as sent to a prefill pool it
-        will not use."""
+        prompt of at most `local_prefill_max_tokens` prefills on its decode pool whatever
+        adaptive placement would choose (batch lines): its tokens count on the decode pool
+        that computes them, never on a prefill pool it will not use."""
         try:
             route = self.policy.route(num_prompt_tokens, tenant)
         except BadRequestError as exc:
@@ -53,19 +52,8 @@ class Placement:
             raise
         checks()
         if num_prompt_tokens <= local_prefill_max_tokens:
-            route = prefilled_where_it_decodes(route, "a batch line: prefilled where it decodes")
-        else:
-            route = self.adaptive.apply(route, num_prompt_tokens, priority)
+            route = route.prefilled_locally("a batch line: prefilled where it decodes")
+        route = self.adaptive.apply(route, num_prompt_tokens, priority)  # counts its tokens
         return self.overflow.apply(
             route, num_prompt_tokens, tenant, num_sequences, max_tokens, prompt_token_ids
         )
-
-
-def prefilled_where_it_decodes(route: RouteDecision, why: str) -> RouteDecision:
-    """`route` with its prompt computed on its decode pool (no prefill call, ticket or KV
-    transfer); unchanged when it already is."""
-    if route.local_prefill:
-        return route
-    return dataclasses.replace(
-        route, prefill_pool=None, local_prefill=True, computes=None, reason=f"{route.reason}; {why}"
-    )

@@ -25,6 +25,7 @@ Rules, in order:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from app.config import PDServeConfig, PoolConfig, TenantConfig
@@ -62,6 +63,19 @@ class RouteDecision:
     # Where the prompt is expected to compute and how many of its tokens, when a cached
     # prefix changes that (decode overflow); None: all of it where the route says.
     computes: tuple[str, int] | None = None
+
+    def prefilled_locally(self, why: str) -> RouteDecision:
+        """This route with its prompt computed on its decode pool (no prefill call, ticket
+        or KV transfer), `why` added to its reason; itself when it already is."""
+        if self.local_prefill:
+            return self
+        return dataclasses.replace(
+            self,
+            prefill_pool=None,
+            local_prefill=True,
+            computes=None,
+            reason=f"{self.reason}; {why}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,6 @@ from app.batch.pacing import GAP_WEIGHT, MAX_QUIET_FACTOR, Load, Pacer, queued_a
 from app.batch.upload import read_upload
 from app.config import BatchSettings
 from app.errors import BadRequestError, PayloadTooLargeError
-from app.routing.placement import prefilled_where_it_decodes
 from app.routing.pool_router import RouteDecision
 
 BOUNDARY = "b0undary"
@@ -116,7 +115,7 @@ def test_queued_ahead_reads_more_important_waiters_only() -> None:
 
 def test_only_idle_lines_computed_whole_on_a_decode_pool_are_spare() -> None:
     placed = RouteDecision("short", "decode", False, 10, "64 tokens: short")
-    local = prefilled_where_it_decodes(placed, "a batch line")
+    local = placed.prefilled_locally("a batch line")
     pools = {"decode"}
     assert line_is_spare(local, idle=True, decode_pools=pools)
     assert not line_is_spare(local, idle=False, decode_pools=pools)  # something else runs

@@ -1,6 +1,7 @@
 """`Placement.place` with a batch line's local-prefill bound: a prompt within it prefills on
-its decode pool without passing through adaptive placement (nothing counted as sent to a
-prefill pool it will not use); past it, or with no bound, the usual chain decides."""
+its decode pool whatever adaptive placement would choose (its tokens counted on the decode
+pool that computes them, none on a prefill pool it will not use); past it, or with no
+bound, the usual chain decides."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from app.config import load_config
 from app.routing.adaptive import AdaptivePrefill
 from app.routing.overflow import DecodeOverflow
-from app.routing.placement import Placement, prefilled_where_it_decodes
+from app.routing.placement import Placement
 from app.routing.pool_router import RouteDecision, RouterPolicy
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -22,14 +23,14 @@ def _placement() -> tuple[Placement, AdaptivePrefill]:
     return Placement(RouterPolicy(config), adaptive, overflow), adaptive
 
 
-def test_a_prompt_within_the_bound_prefills_where_it_decodes_and_counts_nowhere() -> None:
+def test_a_prompt_within_the_bound_prefills_and_counts_where_it_decodes() -> None:
     placement, adaptive = _placement()
     route = placement.place(64, "acme", 10, 1, 16, local_prefill_max_tokens=64)
     assert (route.prefill_pool, route.decode_pool, route.local_prefill) == (None, "decode", True)
     assert route.computes is None
     assert route.reason.endswith("a batch line: prefilled where it decodes")
     assert adaptive._sent.since("short", -1.0) == 0  # the prefill pool saw nothing of it
-    assert adaptive._sent.since("decode", -1.0) == 0
+    assert adaptive._sent.since("decode", -1.0) == 64  # the decode pool computes it
 
 
 def test_past_the_bound_or_without_one_the_placed_route_stands() -> None:
@@ -42,11 +43,11 @@ def test_past_the_bound_or_without_one_the_placed_route_stands() -> None:
     assert short.local_prefill and "batch line" not in short.reason  # local by the rules
 
 
-def test_prefilled_where_it_decodes_keeps_a_local_route() -> None:
+def test_prefilled_locally_keeps_a_local_route() -> None:
     local = RouteDecision(None, "decode", True, 10, "under 32 tokens")
-    assert prefilled_where_it_decodes(local, "why") is local
+    assert local.prefilled_locally("why") is local
     placed = RouteDecision("short", "decode", False, 10, "64 tokens: short", ("short", 64))
-    moved = prefilled_where_it_decodes(placed, "why")
+    moved = placed.prefilled_locally("why")
     assert (moved.prefill_pool, moved.local_prefill, moved.computes, moved.priority) == (
         None,
         True,
