@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.growth import GrowthReserve, OutputGrowth
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
@@ -73,6 +74,7 @@ class Scheduler:
         self.on_trial: Request | None = None  # the suspect now running alone, if any
         self.num_preemptions = 0  # since start, for stats and tests
         self.num_quarantined = 0
+        self.growth = OutputGrowth(kv_manager.num_blocks_for)
 
     # ---- admission -------------------------------------------------------------------
 
@@ -242,9 +244,18 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        reserve: GrowthReserve | None = None  # built when something waits
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(request)
+            if reserve is None:
+                reserve = self._growth_reserve()
+            # Room for the output of the requests already running (engine/growth.py); a
+            # request that finds nothing at least as important running always starts.
+            kept = reserve.kept_for(request.priority)
+            own = self.growth.growth_blocks(request, len(computed))
+            if kept and self.kv.num_free_blocks < kept + own:
+                break
             num_new = min(
                 request.num_tokens - num_cached, budget, self.config.long_prefill_token_threshold
             )
@@ -257,10 +268,18 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(
-                ScheduledRequest(request, num_new, self.kv.block_table(request.request_id))
-            )
+            table = self.kv.block_table(request.request_id)
+            out.scheduled.append(ScheduledRequest(request, num_new, table))
+            reserve.add(request.priority, self.growth.growth_blocks(request, len(table)))
             budget -= num_new
+
+    def _growth_reserve(self) -> GrowthReserve:
+        """The growth expected of every request holding blocks that will grow."""
+        holders = [*self.running, *self.waiting_for_kv.values()]
+        return GrowthReserve(
+            (r.priority, self.growth.growth_blocks(r, len(self.kv.block_table(r.request_id))))
+            for r in holders
+        )
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """The least important request not yet scheduled this step (highest priority value,
@@ -310,6 +329,7 @@ class Scheduler:
         status = self.check_stop(request, token_id)
         if status is None:
             return False
+        self.growth.finished(request)
         self.finish_request(request.request_id, status)
         return True
 
