@@ -191,6 +191,10 @@ class AsyncEngine:
                 for delta in self.engine.step(self.layer_hook_for):
                     self.publish(delta)
                 self._progressed()
+                if self.engine.idle_pass:  # requests wait for KV or room: not a busy loop
+                    self._wakeup.wait(self.idle_wait_s)
+                    self._wakeup.clear()
+                    continue
                 # Hand the GIL over once per step: the serving thread must stream the deltas
                 # out; otherwise it only gets the GIL at forced switches while steps run.
                 time.sleep(0)

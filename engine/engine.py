@@ -127,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
+        self.idle_pass = False  # the last step scheduled nothing and preempted nothing
         # (start, seconds, prompt tokens, all tokens) of recent steps that computed prompt
         # tokens: the replica's prefill rate, which decode-only steps (whole requests) do not
         # dilute, and the share of its time prompts take (`replica.signals.busy_share`)
@@ -281,6 +282,8 @@ class Engine:
         start = time.perf_counter()
         self._pick_threads()
         output = self.scheduler.schedule()
+        # Nothing ran and nothing moved: what waits needs an event (KV landing, an abort).
+        self.idle_pass = output.is_empty and not output.preempted_ids
         num_prompt_tokens = sum(
             max(
                 min(s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens),
@@ -296,7 +299,8 @@ class Engine:
             return self._step_failed(output, exc)
         finally:
             seconds = time.perf_counter() - start
-            self.step_times.append((start, seconds))
+            if not output.is_empty:  # an idle pass is no step (mean_step_ms)
+                self.step_times.append((start, seconds))
             if num_prompt_tokens:
                 num_tokens = sum(s.num_new_tokens for s in output.scheduled)
                 self.prompt_steps.append((start, seconds, num_prompt_tokens, num_tokens))

@@ -78,6 +78,11 @@ class KVCacheManager:
             num_blocks += 1
         return num_blocks * bs
 
+    def num_revived(self, computed_block_ids: list[int]) -> int:
+        """Free blocks that starting on these cached blocks uses up: cached blocks that
+        nobody holds sit in the free list."""
+        return sum(1 for b in computed_block_ids if self.pool.ref_count(b) == 0)
+
     def allocate_slots(
         self,
         request: Request,
@@ -100,8 +105,7 @@ class KVCacheManager:
             num_tokens_before = request.num_computed_tokens
         num_needed = self.num_blocks_for(num_tokens_before + num_new_tokens)
         num_new_blocks = max(0, num_needed - len(table) - len(computed))
-        # Cached blocks that nobody holds sit in the free list: touching them uses it up.
-        num_revived = sum(1 for b in computed if self.pool.ref_count(b) == 0)
+        num_revived = self.num_revived(computed)
         if not self.pool.can_allocate(num_new_blocks + num_revived):
             return None
         if computed:

@@ -112,6 +112,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         computed, num_cached = self.kv.get_computed_blocks(request)
+        if not self._has_room(request, computed, self._growth_reserve()):
+            return None
         num_new = request.num_prompt_tokens - num_cached
         if self.kv.allocate_slots(request, num_new, computed) is None:
             return None
@@ -169,6 +171,9 @@ class Scheduler:
                 return trial
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Most important first (stable: arrival order within a priority), so they take the
+        # step's budget and new blocks first and preemption only takes from those after.
+        self.running.sort(key=_importance)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -220,7 +225,7 @@ class Scheduler:
                     self.quarantine(request)
                     out.preempted_ids.append(request.request_id)
                     return out
-                victim = max(others, key=lambda r: (r.priority, r.arrival_time))
+                victim = max(others, key=_importance)
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
         out.scheduled.append(
@@ -244,24 +249,37 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        reserve: GrowthReserve | None = None  # built when something waits
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Start waiting requests in queue order while each one's first chunk fits, and the
+        free blocks also cover its expected growth plus that of the requests holding blocks
+        at least as important as it (`engine/growth.py`; a request finding none of those
+        always starts). A request held back by that room lets only strictly more important
+        ones behind it go first (a preempted batch line at the head must not hold back
+        interactive requests); a chunk that does not fit stops admission."""
+        if not self.waiting:
+            return
+        reserve = self._growth_reserve()
+        index = 0
+        bar: int | None = None  # once set, only requests more important than this start
+        while (
+            index < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[index]
+            if bar is not None and request.priority >= bar:
+                index += 1
+                continue
             computed, num_cached = self.kv.get_computed_blocks(request)
-            if reserve is None:
-                reserve = self._growth_reserve()
-            # Room for the output of the requests already running (engine/growth.py); a
-            # request that finds nothing at least as important running always starts.
-            kept = reserve.kept_for(request.priority)
-            own = self.growth.growth_blocks(request, len(computed))
-            if kept and self.kv.num_free_blocks < kept + own:
-                break
+            if not self._has_room(request, computed, reserve):
+                bar = request.priority
+                index += 1
+                continue
             num_new = min(
                 request.num_tokens - num_cached, budget, self.config.long_prefill_token_threshold
             )
             if self.kv.allocate_slots(request, num_new, computed) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
@@ -272,6 +290,16 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new, table))
             reserve.add(request.priority, self.growth.growth_blocks(request, len(table)))
             budget -= num_new
+
+    def _has_room(self, request: Request, computed: list[int], reserve: GrowthReserve) -> bool:
+        """Whether the free blocks cover what `request` (starting on the cached `computed`
+        blocks) is expected to take, beyond what `reserve` keeps for the requests at least
+        as important; always when it keeps nothing for them."""
+        kept = reserve.kept_for(request.priority)
+        if not kept:
+            return True
+        need = self.growth.growth_blocks(request, len(computed))
+        return self.kv.num_free_blocks >= kept + need + self.kv.num_revived(computed)
 
     def _growth_reserve(self) -> GrowthReserve:
         """The growth expected of every request holding blocks that will grow."""
@@ -284,7 +312,7 @@ class Scheduler:
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """The least important request not yet scheduled this step (highest priority value,
         then latest arrival); requests already in this step's batch are never taken back."""
-        return max(self.running[first_unscheduled:], key=lambda r: (r.priority, r.arrival_time))
+        return max(self.running[first_unscheduled:], key=_importance)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -329,7 +357,6 @@ class Scheduler:
         status = self.check_stop(request, token_id)
         if status is None:
             return False
-        self.growth.finished(request)
         self.finish_request(request.request_id, status)
         return True
 
@@ -370,6 +397,8 @@ class Scheduler:
         elif request.status == RequestStatus.WAITING_FOR_KV:
             del self.waiting_for_kv[request_id]
         request.status = status
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.growth.finished(request)
         if status == RequestStatus.FINISHED_PREFILLED or hold:
             self.held[request_id] = request
         else:
@@ -381,3 +410,8 @@ class Scheduler:
         request = self.held.pop(request_id, None)
         if request is not None:
             self.kv.free(request)
+
+
+def _importance(request: Request) -> tuple[int, float]:
+    """Sort key: more important (lower priority value), then earlier, first."""
+    return request.priority, request.arrival_time

@@ -11,9 +11,11 @@ from tests.engine.test_scheduler import make_scheduler, run_step
 
 
 def line(rid: str, priority: int = 0, num_prompt: int = 8, max_tokens: int = 8) -> Request:
-    """A request that runs to `max_tokens` for certain (a batch line with ignore_eos)."""
+    """A request that runs to `max_tokens` for certain (a batch line with ignore_eos); its
+    prompt shares no block with another's."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, list(range(1, num_prompt + 1)), params, priority=priority)
+    first = 1000 * (1 + sum(map(ord, rid)))
+    return Request(rid, list(range(first, first + num_prompt)), params, priority=priority)
 
 
 def run_all(scheduler, max_steps: int = 500) -> tuple[list[Request], int]:
@@ -58,6 +60,57 @@ def test_a_more_important_request_does_not_wait_for_less_important_growth() -> N
     finished, _ = run_all(scheduler)
     assert len(finished) == 7
     assert scheduler.kv.num_free_blocks == 24
+
+
+def test_a_line_held_back_at_the_head_lets_more_important_requests_pass() -> None:
+    # 20 blocks of 4 tokens; lines of 4 prompt and 28 output tokens end on 8 blocks each.
+    scheduler = make_scheduler(num_blocks=20, block_size=4, budget=64, max_seqs=8)
+    for i in range(2):
+        scheduler.add_request(line(f"batch{i}", priority=10, num_prompt=4, max_tokens=28))
+    run_step(scheduler)  # 2 blocks held, 14 kept for their output: 4 left, not 8
+    # A line preempted earlier waits at the head: requests arriving later queue behind it.
+    preempted = line("preempted", priority=10, num_prompt=4, max_tokens=28)
+    preempted.num_preemptions = 1
+    scheduler.add_request(preempted)
+    scheduler.add_request(line("interactive", priority=0, num_prompt=4, max_tokens=2))
+    assert [r.request_id for r in scheduler.waiting] == ["preempted", "interactive"]
+    run_step(scheduler)
+    assert "interactive" in {r.request_id for r in scheduler.running}
+    assert [r.request_id for r in scheduler.waiting] == ["preempted"]
+    finished, _ = run_all(scheduler)
+    assert len(finished) == 4 and scheduler.num_preemptions == 0
+    assert scheduler.kv.num_free_blocks == 20
+
+
+def test_a_kv_reservation_leaves_the_room_kept_for_running_output() -> None:
+    scheduler = make_scheduler(num_blocks=20, block_size=4, budget=64, max_seqs=8)
+    for i in range(2):
+        scheduler.add_request(line(f"batch{i}", priority=10, num_prompt=4, max_tokens=28))
+    run_step(scheduler)
+    # A prompt prefilled elsewhere: refused (prefilled locally, queued) while the lines'
+    # output needs the room; a more important one is reserved at once.
+    remote = line("remote", priority=10, num_prompt=8, max_tokens=16)  # 6 blocks
+    assert scheduler.reserve_for_kv(remote) is None
+    assert scheduler.kv.num_free_blocks == 18
+    important = line("remote-interactive", priority=0, num_prompt=8, max_tokens=8)
+    assert scheduler.reserve_for_kv(important) is not None
+    assert scheduler.kv.num_free_blocks == 16
+
+
+def test_requests_that_stopped_on_a_stop_string_teach_the_estimate() -> None:
+    scheduler = make_scheduler()
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=50, stop=("x",)))
+    scheduler.add_request(request)
+    for _ in range(5):
+        run_step(scheduler)
+    # The engine's detokenizer saw the stop string: it ends the request directly.
+    scheduler.finish_request("r", RequestStatus.FINISHED_STOPPED)
+    assert scheduler.growth.mean_output_tokens == 5
+    aborted = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    scheduler.add_request(aborted)
+    run_step(scheduler)
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.growth.mean_output_tokens == 5  # an abort says nothing about lengths
 
 
 def test_a_cold_engine_admits_requests_that_may_stop_early_on_their_prompt() -> None:
@@ -122,5 +175,35 @@ def test_engine_batch_on_a_tight_cache_runs_without_preemption() -> None:
         assert [o.token_ids for o in engine.generate(prompts, params)] == expected
         assert engine.scheduler.num_preemptions == 0
         assert engine.kv_manager.num_free_blocks == 10
+    finally:
+        engine.close()
+
+
+def test_a_step_with_nothing_to_run_is_an_idle_pass() -> None:
+    # A prompt waits for KV from a prefill replica; a local one waits for the room its
+    # output is kept: nothing can run until the KV lands, so the engine loop sleeps on its
+    # wakeup (engine/async_engine.py) instead of spinning, and no step time is recorded.
+    probe = Engine(EngineConfig(model_dir="tiny"))
+    block_bytes = probe.kv_spec.bytes_per_block
+    probe.close()
+    engine = Engine(
+        EngineConfig(model_dir="tiny", cache=CacheConfig(kv_cache_bytes=10 * block_bytes))
+    )
+    try:
+        prompt = [(5 * j) % 200 + 3 for j in range(20)]
+        remote = engine.make_request(
+            prompt, SamplingParams(max_tokens=40, ignore_eos=True), request_id="remote"
+        )
+        assert engine.reserve_for_kv(remote) is not None  # 2 blocks held, 2 kept
+        local = engine.make_request(
+            prompt[::-1], SamplingParams(max_tokens=80, ignore_eos=True), request_id="local"
+        )
+        engine.add_request(local)  # needs 7 of the 8 free, 2 of them kept: waits
+        assert engine.step() == []
+        assert engine.idle_pass and not engine.step_times
+        assert engine.occupancy()["num_waiting"] == 1
+        engine.kv_failed("remote")  # its blocks (and kept room) come back: `local` starts
+        engine.step()
+        assert not engine.idle_pass and engine.occupancy()["num_running"] == 1
     finally:
         engine.close()
