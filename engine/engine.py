@@ -263,6 +263,9 @@ class Engine:
             "num_suspects": len(scheduler.suspects) + (scheduler.on_trial is not None),
             "num_preemptions": scheduler.num_preemptions,
             "num_quarantined": scheduler.num_quarantined,
+            # Free blocks kept for the expected output of requests holding blocks
+            # (engine/growth.py): requests wait while they would take them.
+            "num_kept_blocks": scheduler.growth_reserve().total,
             "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
             + sum(r.num_uncomputed_tokens for r in scheduler.running)
             + sum(r.num_uncomputed_tokens for r in scheduler.suspects),

@@ -87,3 +87,8 @@ class GrowthReserve:
     def kept_for(self, priority: int) -> int:
         """Blocks kept for requests at least as important as `priority` (lower values)."""
         return sum(b for p, b in self._by_priority.items() if p <= priority)
+
+    @property
+    def total(self) -> int:
+        """Blocks kept for every request."""
+        return sum(self._by_priority.values())

@@ -112,7 +112,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         computed, num_cached = self.kv.get_computed_blocks(request)
-        if not self._has_room(request, computed, self._growth_reserve()):
+        if not self._has_room(request, computed, self.growth_reserve()):
             return None
         num_new = request.num_prompt_tokens - num_cached
         if self.kv.allocate_slots(request, num_new, computed) is None:
@@ -257,7 +257,7 @@ class Scheduler:
         interactive requests); a chunk that does not fit stops admission."""
         if not self.waiting:
             return
-        reserve = self._growth_reserve()
+        reserve = self.growth_reserve()
         index = 0
         bar: int | None = None  # once set, only requests more important than this start
         while (
@@ -301,7 +301,7 @@ class Scheduler:
         need = self.growth.growth_blocks(request, len(computed))
         return self.kv.num_free_blocks >= kept + need + self.kv.num_revived(computed)
 
-    def _growth_reserve(self) -> GrowthReserve:
+    def growth_reserve(self) -> GrowthReserve:
         """The growth expected of every request holding blocks that will grow."""
         holders = [*self.running, *self.waiting_for_kv.values()]
         return GrowthReserve(

@@ -114,6 +114,7 @@ class ReplicaMetrics:
         num_free = int(stats.get("num_free_blocks", 0))
         metrics.set_gauge("pdserve_kv_blocks_used", num_blocks - num_free, labels)
         metrics.set_gauge("pdserve_kv_blocks_free", num_free, labels)
+        metrics.set_gauge("pdserve_kv_blocks_kept", int(stats.get("num_kept_blocks", 0)), labels)
         waiting = int(stats.get("num_waiting", 0)) + int(stats.get("num_waiting_for_kv", 0))
         metrics.set_gauge("pdserve_requests_waiting", waiting, labels)
         metrics.set_gauge("pdserve_requests_running", int(stats.get("num_running", 0)), labels)

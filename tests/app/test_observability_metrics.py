@@ -132,6 +132,7 @@ def test_replica_metrics_export_gauges_and_counter_increments(captured: Captured
         "num_waiting_for_kv": 1,
         "num_running": 4,
         "num_preemptions": 3,
+        "num_kept_blocks": 12,
         "counters": {
             "prefill_retries": 2,
             "local_prefill_fallback": 5,
@@ -156,6 +157,7 @@ def test_replica_metrics_export_gauges_and_counter_increments(captured: Captured
 
     assert captured.last("pdserve_kv_blocks_used") == 10
     assert captured.last("pdserve_kv_blocks_free") == 90
+    assert captured.last("pdserve_kv_blocks_kept") == 12
     assert captured.last("pdserve_requests_waiting") == 3
     assert captured.last("pdserve_requests_running") == 4
     assert captured.last("pdserve_replica_cost_per_hour") == 4.0

@@ -195,6 +195,7 @@ def test_a_step_with_nothing_to_run_is_an_idle_pass() -> None:
             prompt, SamplingParams(max_tokens=40, ignore_eos=True), request_id="remote"
         )
         assert engine.reserve_for_kv(remote) is not None  # 2 blocks held, 2 kept
+        assert engine.occupancy()["num_kept_blocks"] == 2
         local = engine.make_request(
             prompt[::-1], SamplingParams(max_tokens=80, ignore_eos=True), request_id="local"
         )
