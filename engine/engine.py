@@ -263,8 +263,8 @@ class Engine:
             "num_suspects": len(scheduler.suspects) + (scheduler.on_trial is not None),
             "num_preemptions": scheduler.num_preemptions,
             "num_quarantined": scheduler.num_quarantined,
-            # Free blocks kept for the expected output of requests holding blocks
-            # (engine/growth.py): requests wait while they would take them.
+            # Blocks the requests holding blocks are still expected to add (kept free for
+            # them, engine/growth.py; may exceed the free blocks).
             "num_kept_blocks": scheduler.growth_reserve().total,
             "queued_tokens": sum(r.num_uncomputed_tokens for r in scheduler.waiting)
             + sum(r.num_uncomputed_tokens for r in scheduler.running)

@@ -8,21 +8,22 @@ on 4 blocks each, grew to 6 each, and preempted 22 of 128 lines. So admission ke
 for each request it admits, the blocks that running requests at least as important as it
 are still expected to add (`Scheduler._admit_waiting`):
 
-- a request that runs to `max_tokens` for certain (`ignore_eos`, no stop strings or stop
-  ids): every block up to that length;
+- a request that runs to `max_tokens` for certain (`ignore_eos` with no stop strings or
+  stop ids, or `min_tokens` at `max_tokens`): every block up to that length;
 - any other: up to the mean output length of the requests that finished recently (an
   exponential average; nothing before the first one finishes, so a cold engine admits as it
-  did without this).
+  did without this), and at least its `min_tokens`.
 
-The growth of less important requests is not kept free for a more important one: those
-are what preemption takes back for it. An estimate is only that: a request that outgrows it
-still preempts, as before.
+The growth of less important requests is not kept free for a more important one, and the
+blocks less important running requests hold count as room for it: those are what
+preemption takes back for it. An estimate is only that: a request that outgrows it still
+preempts, as before.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from engine.request import Request
 
@@ -33,6 +34,8 @@ LENGTH_SMOOTHING = 1 / 16
 def runs_to_max_tokens(request: Request) -> bool:
     """Whether nothing but `max_tokens` (or an abort) can end the request's output."""
     params = request.sampling_params
+    if params.min_tokens >= params.max_tokens:
+        return True
     return params.ignore_eos and not params.stop and not params.stop_token_ids
 
 
@@ -54,7 +57,7 @@ class OutputGrowth:
         if runs_to_max_tokens(request):
             num_outputs = params.max_tokens
         else:
-            expected = math.ceil(self.mean_output_tokens)
+            expected = max(math.ceil(self.mean_output_tokens), params.min_tokens)
             num_outputs = min(params.max_tokens, max(expected, request.num_output_tokens))
         return max(request.num_tokens, request.num_prompt_tokens + num_outputs - 1)
 
@@ -72,23 +75,33 @@ class OutputGrowth:
 
 
 class GrowthReserve:
-    """Blocks kept free for the growth of requests, by how important they are."""
+    """Blocks kept free for the growth of requests, and blocks held by running requests
+    (which preemption can take back), by priority."""
 
-    def __init__(self, entries: Iterable[tuple[int, int]]) -> None:
-        """`entries`: (priority, growth blocks) of each request holding blocks."""
-        self._by_priority: dict[int, int] = {}
-        for priority, blocks in entries:
-            self.add(priority, blocks)
+    def __init__(self) -> None:
+        self._growth: dict[int, int] = {}
+        self._held: dict[int, int] = {}
 
-    def add(self, priority: int, blocks: int) -> None:
-        if blocks:
-            self._by_priority[priority] = self._by_priority.get(priority, 0) + blocks
+    def add(self, priority: int, growth_blocks: int, held_blocks: int = 0) -> None:
+        """A request of `priority` expected to add `growth_blocks`; `held_blocks`: what it
+        holds, if preemption may take that back (a running request)."""
+        if growth_blocks:
+            self._growth[priority] = self._growth.get(priority, 0) + growth_blocks
+        if held_blocks:
+            self._held[priority] = self._held.get(priority, 0) + held_blocks
 
-    def kept_for(self, priority: int) -> int:
-        """Blocks kept for requests at least as important as `priority` (lower values)."""
-        return sum(b for p, b in self._by_priority.items() if p <= priority)
+    def room(self, priority: int, num_free_blocks: int) -> int | None:
+        """Blocks a request of `priority` may take: the free ones plus those running less
+        important requests hold (preemption takes them back), less the growth kept for the
+        requests at least as important (lower values). None when nothing is kept for them:
+        it may take whatever fits."""
+        kept = sum(b for p, b in self._growth.items() if p <= priority)
+        if not kept:
+            return None
+        reclaimable = sum(b for p, b in self._held.items() if p > priority)
+        return num_free_blocks + reclaimable - kept
 
     @property
     def total(self) -> int:
-        """Blocks kept for every request."""
-        return sum(self._by_priority.values())
+        """Blocks the requests holding blocks are still expected to add."""
+        return sum(self._growth.values())

@@ -112,10 +112,12 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         computed, num_cached = self.kv.get_computed_blocks(request)
-        if not self._has_room(request, computed, self.growth_reserve()):
-            return None
         num_new = request.num_prompt_tokens - num_cached
-        if self.kv.allocate_slots(request, num_new, computed) is None:
+        if (
+            not self._has_room(request, computed, self.growth_reserve())
+            or self.kv.allocate_slots(request, num_new, computed) is None
+        ):
+            self.kv.free(request)  # the block hashes `get_computed_blocks` kept for it
             return None
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.WAITING_FOR_KV
@@ -249,28 +251,33 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Start waiting requests in queue order while each one's first chunk fits, and the
-        free blocks also cover its expected growth plus that of the requests holding blocks
-        at least as important as it (`engine/growth.py`; a request finding none of those
-        always starts). A request held back by that room lets only strictly more important
-        ones behind it go first (a preempted batch line at the head must not hold back
-        interactive requests); a chunk that does not fit stops admission."""
+        """Start waiting requests in queue order while each one's first chunk fits and it
+        has room for its expected growth (`_has_room`). A request held back by that room
+        lets only strictly more important ones behind it go first (a preempted batch line at
+        the head must not hold back interactive requests); a chunk that does not fit stops
+        admission."""
         if not self.waiting:
             return
         reserve = self.growth_reserve()
         index = 0
         bar: int | None = None  # once set, only requests more important than this start
+        most_important = 0  # of the waiting requests, once `bar` is set
         while (
             index < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[index]
-            if bar is not None and request.priority >= bar:
-                index += 1
-                continue
+            if bar is not None:
+                if bar <= most_important:  # none behind it may pass it
+                    break
+                if request.priority >= bar:
+                    index += 1
+                    continue
             computed, num_cached = self.kv.get_computed_blocks(request)
             if not self._has_room(request, computed, reserve):
+                if bar is None:
+                    most_important = min(r.priority for r in self.waiting)
                 bar = request.priority
                 index += 1
                 continue
@@ -288,26 +295,33 @@ class Scheduler:
             self.running.append(request)
             table = self.kv.block_table(request.request_id)
             out.scheduled.append(ScheduledRequest(request, num_new, table))
-            reserve.add(request.priority, self.growth.growth_blocks(request, len(table)))
+            reserve.add(
+                request.priority, self.growth.growth_blocks(request, len(table)), len(table)
+            )
             budget -= num_new
 
     def _has_room(self, request: Request, computed: list[int], reserve: GrowthReserve) -> bool:
-        """Whether the free blocks cover what `request` (starting on the cached `computed`
-        blocks) is expected to take, beyond what `reserve` keeps for the requests at least
-        as important; always when it keeps nothing for them."""
-        kept = reserve.kept_for(request.priority)
-        if not kept:
+        """Whether `request` (starting on the cached `computed` blocks) has room for all it
+        is expected to take: within the free blocks and those less important running
+        requests hold, less what `reserve` keeps for the growth of those at least as
+        important (`engine/growth.py`); always when it keeps nothing for them."""
+        room = reserve.room(request.priority, self.kv.num_free_blocks)
+        if room is None:
             return True
         need = self.growth.growth_blocks(request, len(computed))
-        return self.kv.num_free_blocks >= kept + need + self.kv.num_revived(computed)
+        return room >= need + self.kv.num_revived(computed)
 
     def growth_reserve(self) -> GrowthReserve:
-        """The growth expected of every request holding blocks that will grow."""
-        holders = [*self.running, *self.waiting_for_kv.values()]
-        return GrowthReserve(
-            (r.priority, self.growth.growth_blocks(r, len(self.kv.block_table(r.request_id))))
-            for r in holders
-        )
+        """The expected growth of every request holding blocks that will grow, and what
+        the running ones hold."""
+        reserve = GrowthReserve()
+        for r in self.running:
+            held = len(self.kv.block_table(r.request_id))
+            reserve.add(r.priority, self.growth.growth_blocks(r, held), held)
+        for r in self.waiting_for_kv.values():
+            held = len(self.kv.block_table(r.request_id))
+            reserve.add(r.priority, self.growth.growth_blocks(r, held))
+        return reserve
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """The least important request not yet scheduled this step (highest priority value,

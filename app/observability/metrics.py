@@ -116,8 +116,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _replica("pdserve_kv_blocks_used", "gauge", "KV cache blocks in use."),
     _replica("pdserve_kv_blocks_free", "gauge", "KV cache blocks free."),
     _replica("pdserve_kv_blocks_kept", "gauge",
-             "Free KV cache blocks kept for the expected output of the requests holding "
-             "blocks; a request waits while it would take them (engine/growth.py)."),
+             "KV cache blocks the requests holding blocks are still expected to add, kept "
+             "free for their output (may exceed the free blocks); a request waits while it "
+             "would take them (engine/growth.py)."),
     _replica("pdserve_requests_waiting", "gauge",
              "Requests queued in the engine (waiting for compute or for their KV)."),
     _replica("pdserve_requests_running", "gauge", "Requests in the engine's running batch."),

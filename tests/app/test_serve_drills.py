@@ -46,9 +46,11 @@ pytestmark = pytest.mark.slow
 APP = "pdserve"
 MODEL = "pdserve-tiny"
 DEADLINE_S = 3.0  # the ticket deadline: short, so a stopped prefill is given up on quickly
-# Requests a replica is killed under: long enough that none can finish before the kill
-# (the model allows 4,096 positions); they cost nothing, since they never finish.
-KILLED_MAX_TOKENS = 3500
+# Requests a replica is killed under: long enough that none can finish before the kill;
+# they cost nothing, since they never finish. Two at once must run together: each ends on
+# under 128 of the 256 blocks (admission keeps room for a running request's output,
+# engine/growth.py, so a second one that could not fit would wait instead).
+KILLED_MAX_TOKENS = 1900
 RESTART_TIMEOUT_S = 180.0  # Serve notices a dead replica and starts another within this
 REQUEST_TIMEOUT_S = 120.0
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x head dim x block x fp32

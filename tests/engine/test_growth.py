@@ -62,6 +62,23 @@ def test_a_more_important_request_does_not_wait_for_less_important_growth() -> N
     assert scheduler.kv.num_free_blocks == 24
 
 
+def test_more_important_requests_count_less_important_blocks_as_room() -> None:
+    scheduler = make_scheduler(num_blocks=24, block_size=4, budget=64, max_seqs=8)
+    for i in range(6):
+        scheduler.add_request(line(f"batch{i}", priority=10))
+    run_step(scheduler)  # 12 blocks held by lines, 12 kept for their output: none free
+    scheduler.add_request(line("interactive0", priority=0))
+    scheduler.add_request(line("interactive1", priority=0))
+    run_step(scheduler)
+    # Both start: after the first, the second's room is the free blocks plus the lines'
+    # (preemption takes those back), less the first's growth; lines are preempted instead.
+    running = {r.request_id for r in scheduler.running}
+    assert {"interactive0", "interactive1"} <= running
+    finished, _ = run_all(scheduler)
+    assert len(finished) == 8 and scheduler.num_preemptions > 0
+    assert scheduler.kv.num_free_blocks == 24
+
+
 def test_a_line_held_back_at_the_head_lets_more_important_requests_pass() -> None:
     # 20 blocks of 4 tokens; lines of 4 prompt and 28 output tokens end on 8 blocks each.
     scheduler = make_scheduler(num_blocks=20, block_size=4, budget=64, max_seqs=8)
@@ -95,6 +112,8 @@ def test_a_kv_reservation_leaves_the_room_kept_for_running_output() -> None:
     important = line("remote-interactive", priority=0, num_prompt=8, max_tokens=8)
     assert scheduler.reserve_for_kv(important) is not None
     assert scheduler.kv.num_free_blocks == 16
+    # The refused one left nothing behind (not even the block hashes looked up for it).
+    assert "remote" not in scheduler.kv._block_hashes
 
 
 def test_requests_that_stopped_on_a_stop_string_teach_the_estimate() -> None:
@@ -157,6 +176,13 @@ def test_the_estimate_follows_the_lengths_requests_stopped_at() -> None:
     assert growth.expected_tokens(certain) == 1 + 90 - 1
     stop_string = SamplingParams(max_tokens=90, ignore_eos=True, stop=("x",))
     assert growth.expected_tokens(Request("s", [1], stop_string)) == 1 + 20 - 1
+    # min_tokens: at least that many; at max_tokens, certain.
+    at_least = SamplingParams(max_tokens=90, min_tokens=30)
+    assert growth.expected_tokens(Request("m", [1], at_least)) == 1 + 30 - 1
+    exact = SamplingParams(max_tokens=40, min_tokens=40)
+    assert growth.expected_tokens(Request("e", [1], exact)) == 1 + 40 - 1
+    growth.finished(Request("e", [1], exact))
+    assert growth.mean_output_tokens == before
 
 
 def test_engine_batch_on_a_tight_cache_runs_without_preemption() -> None:
