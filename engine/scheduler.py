@@ -295,9 +295,7 @@ class Scheduler:
             self.running.append(request)
             table = self.kv.block_table(request.request_id)
             out.scheduled.append(ScheduledRequest(request, num_new, table))
-            reserve.add(
-                request.priority, self.growth.growth_blocks(request, len(table)), len(table)
-            )
+            self._count_growth(reserve, request, reclaimable=True)
             budget -= num_new
 
     def _has_room(self, request: Request, computed: list[int], reserve: GrowthReserve) -> bool:
@@ -315,13 +313,18 @@ class Scheduler:
         """The expected growth of every request holding blocks that will grow, and what
         the running ones hold."""
         reserve = GrowthReserve()
-        for r in self.running:
-            held = len(self.kv.block_table(r.request_id))
-            reserve.add(r.priority, self.growth.growth_blocks(r, held), held)
-        for r in self.waiting_for_kv.values():
-            held = len(self.kv.block_table(r.request_id))
-            reserve.add(r.priority, self.growth.growth_blocks(r, held))
+        for request in self.running:
+            self._count_growth(reserve, request, reclaimable=True)
+        for request in self.waiting_for_kv.values():
+            self._count_growth(reserve, request, reclaimable=False)
         return reserve
+
+    def _count_growth(self, reserve: GrowthReserve, request: Request, reclaimable: bool) -> None:
+        """Add `request`'s expected growth to `reserve`, and the blocks it holds when
+        preemption can take them back (`reclaimable`: a running request)."""
+        held = len(self.kv.block_table(request.request_id))
+        growth = self.growth.growth_blocks(request, held)
+        reserve.add(request.priority, growth, held if reclaimable else 0)
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         """The least important request not yet scheduled this step (highest priority value,
