@@ -118,6 +118,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
                 observers=(replica_metrics_factory(config, pool),),
                 telemetry=telemetry,
                 cpu_affinity=pool.cpu_affinity,
+                per_rank=config.per_rank_transfer(pool),
                 **role_args,
             )
         )

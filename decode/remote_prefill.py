@@ -26,7 +26,8 @@ from typing import Any, Protocol, TypeVar
 from decode.breaker import BreakerBoard, PrefillPlan, PrefillPlanner
 from decode.reservations import Reservation, ReservationTable
 from engine.async_engine import EngineDeadError
-from kvtransfer import KVTransferError, Receiver, Ticket, TransferState
+from kvtransfer import KVTransferError, Ticket, TransferState
+from kvtransfer.ranks import AnyReceiver
 from replica.calls import PoolCalls
 from replica.engine_replica import EngineReplica
 from replica.generation_trace import GenerationTrace
@@ -81,7 +82,7 @@ class RemotePrefill:
     def __init__(
         self,
         replica: EngineReplica,
-        receiver: Receiver,
+        receiver: AnyReceiver,
         reservations: ReservationTable,
         prefill_pools: Mapping[str, PrefillHandle],
         planner: PrefillPlanner,

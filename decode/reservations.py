@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.engine import Engine
-from kvtransfer import Receiver, TransferState, UnknownTransferError
+from kvtransfer import TransferState, UnknownTransferError
+from kvtransfer.ranks import AnyReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Reservation:
 class ReservationTable:
     """Every live reservation of one decode replica, by transfer id."""
 
-    def __init__(self, engine: Engine, loop: AsyncEngine, receiver: Receiver | None) -> None:
+    def __init__(self, engine: Engine, loop: AsyncEngine, receiver: AnyReceiver | None) -> None:
         self.engine = engine
         self.loop = loop
         self.receiver = receiver

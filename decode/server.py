@@ -55,8 +55,9 @@ from engine.loader import load_model_config
 from engine.outputs import RequestOutput
 from engine.request import Request
 from engine.tp_kv import allocate_for_engine
-from kvtransfer import Receiver, TransferOptions
+from kvtransfer import KVLayout, TransferOptions
 from kvtransfer import create_receiver as create_kv_receiver
+from kvtransfer.ranks import AnyReceiver, GroupReceiver, open_group_receiver
 from replica.calls import PoolCalls
 from replica.engine_replica import EngineReplica, ObserverFactory, model_id_for
 from replica.generation_trace import GenerationTrace
@@ -96,13 +97,15 @@ class DecodeServer:
         cpu_affinity: Sequence[int] | None = None,
         calls: PoolCalls = PoolCalls(),
         local_prefill_threshold: int = 0,
+        per_rank: bool = False,
     ) -> None:
         """`telemetry(role)`, when given, sets up this process's tracing first (once);
         `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`);
         `calls`: the serving framework's hooks for calls to the prefill pools (the app
         passes Serve's, `app/serve/calls.py`); a request routed to a prefill pool is
         prefilled here when this replica holds a prefix of its prompt and the rest is
-        shorter than `local_prefill_threshold` tokens (0: never)."""
+        shorter than `local_prefill_threshold` tokens (0: never); `per_rank` (tensor
+        parallel): every rank lands its own KV shard (`kvtransfer.ranks`)."""
         if telemetry is not None:
             telemetry(f"decode:{pool}")
         self.pool = pool
@@ -111,29 +114,58 @@ class DecodeServer:
         self.breakers = BreakerBoard(breaker)  # event loop only
         self.planner = PrefillPlanner(self.breakers, known_replicas)
         self.prefill_pools = dict(prefill_pools or {})
-        self.receiver: Receiver | None = None
+        self.receiver: AnyReceiver | None = None
         kv_cache = None
+        ranks = None
         if self.prefill_pools:
             model_dir = str(resolve_model_dir(engine_config.model_dir))
             model_config = load_model_config(model_dir, engine_config.dtype)
             spec = KVCacheSpec.for_engine(engine_config, model_config)
-            if backend != "shm":
-                kv_cache = allocate_for_engine(
-                    spec, engine_config.device, engine_config.tensor_parallel_size
+            model_id = model_id_for(model_config, model_dir)
+            network = _network_endpoint(backend, receiver_endpoint or {})
+            if per_rank and engine_config.tensor_parallel_size > 1:
+                ranks = open_group_receiver(
+                    backend,
+                    spec,
+                    model_id=model_id,
+                    options=transfer_options,
+                    device=engine_config.device,
+                    network=network,
                 )
-            self.receiver = create_kv_receiver(
-                backend,
-                spec,
-                kv_cache,
-                model_id=model_id_for(model_config, model_dir),
-                release=lambda tid: self.reservations.on_release(tid),
-                options=transfer_options,
-                **_network_endpoint(backend, receiver_endpoint or {}),
-            )
-            kv_cache = self.receiver.kv_cache
+                kv_cache = ranks[0].kv_cache  # rank 0's shard; each worker lands its own
+            else:
+                if backend != "shm":
+                    kv_cache = allocate_for_engine(
+                        spec, engine_config.device, engine_config.tensor_parallel_size
+                    )
+                self.receiver = create_kv_receiver(
+                    backend,
+                    spec,
+                    kv_cache,
+                    model_id=model_id,
+                    release=lambda tid: self.reservations.on_release(tid),
+                    options=transfer_options,
+                    **network,
+                )
+                kv_cache = self.receiver.kv_cache
         self.replica = EngineReplica(
-            f"decode:{pool}", engine_config, kv_cache=kv_cache, cpu_affinity=cpu_affinity
+            f"decode:{pool}",
+            engine_config,
+            kv_cache=kv_cache,
+            cpu_affinity=cpu_affinity,
+            rank_endpoints=None if ranks is None else ranks[1],
         )
+        if ranks is not None:
+            workers = self.replica.engine.workers
+            assert workers is not None
+            self.receiver = GroupReceiver(
+                ranks[0],
+                workers.links,
+                workers.rank_endpoints,
+                KVLayout.from_spec(spec, model_id),
+                lambda tid: self.reservations.on_release(tid),
+                ranks[2],
+            )
         self.engine = self.replica.engine
         self.loop = self.replica.loop
         # Streams at once, admitted by priority, and their timelines; event loop only.

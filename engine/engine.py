@@ -52,7 +52,7 @@ from engine.request import (
     check_prompt,
 )
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from engine.tp_worker import TPWorkers, WorkersLostError, start_workers
+from engine.tp_worker import RankEndpoints, TPWorkers, WorkersLostError, start_workers
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int]
@@ -71,7 +71,11 @@ class Engine:
         kv_cache: KVCache | None = None,
         decode_graphs: bool | None = None,
         prompt_graphs: bool | None = None,
+        rank_endpoints: RankEndpoints | None = None,
     ) -> None:
+        """`rank_endpoints` (tensor parallel only): every rank holds its own KV shard and
+        each worker opens its own transfer endpoint (`kvtransfer.ranks`); `kv_cache`, when
+        given, is then rank 0's shard (its endpoint's)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self._num_threads = torch.get_num_threads()  # outside spare steps (`_pick_threads`)
@@ -91,12 +95,13 @@ class Engine:
             raise ValueError("load_format 'dummy' needs tensor_parallel_size 1")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.kv_spec = KVCacheSpec.for_engine(config, self.model_config)
-        if kv_cache is not None and kv_cache.spec != self.kv_spec:
+        per_rank = rank_endpoints is not None and config.tensor_parallel_size > 1
+        if kv_cache is not None and kv_cache.spec != self.kv_spec and not per_rank:
             raise ValueError(f"given KV cache {kv_cache.spec} != engine's {self.kv_spec}")
         self.workers: TPWorkers | None = None
         if config.tensor_parallel_size > 1:  # ranks 1..N-1 in worker processes
             self.workers, self.kv_cache, rank0_cache = start_workers(
-                config, self.model_dir, self.model_config, self.kv_spec, kv_cache
+                config, self.model_dir, self.model_config, self.kv_spec, kv_cache, rank_endpoints
             )
         else:
             self.kv_cache = kv_cache or KVCache.allocate(self.kv_spec, self.device)

@@ -15,7 +15,7 @@ from engine.prompt_graphs import PromptGraphs
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import SchedulerOutput
-from engine.tp_worker import StepInput, TPWorkers
+from engine.tp_worker import RankSends, StepInput, TPWorkers
 
 Sampled = dict[str, tuple[int, dict[int, float] | None]]
 
@@ -126,9 +126,13 @@ class ModelRunner:
         if self.workers is None:
             logits = self._forward(model_input, layer_hook)
         else:
-            self.workers.start_step(_step_input(model_input))
+            # Per-rank KV transfer: each rank sends its own shard (`kvtransfer.ranks`).
+            per_rank = isinstance(layer_hook, RankSends)
+            sends = layer_hook.sends if isinstance(layer_hook, RankSends) else ()
+            self.workers.start_step(_step_input(model_input, sends))
+            hook = layer_hook if per_rank else _per_rank(layer_hook, self.workers.tp.size)
             try:
-                logits = self._forward(model_input, _per_rank(layer_hook, self.workers.tp.size))
+                logits = self._forward(model_input, hook)
             except BaseException:
                 self.workers.broken = True  # the other ranks may wait in a collective
                 raise
@@ -183,7 +187,9 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
 
-def _step_input(model_input: ModelInput) -> StepInput:
+def _step_input(
+    model_input: ModelInput, kv_sends: tuple[tuple[str, tuple[int, ...]], ...] = ()
+) -> StepInput:
     """What the other ranks need of a step (CPU tensors: they move to their own device)."""
     m = model_input.metadata
     metadata = AttentionMetadata(
@@ -200,6 +206,7 @@ def _step_input(model_input: ModelInput) -> StepInput:
         positions=model_input.positions.cpu(),
         metadata=metadata,
         logits_indices=model_input.logits_indices.cpu(),
+        kv_sends=kv_sends,
     )
 
 

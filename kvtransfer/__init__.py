@@ -38,6 +38,7 @@ from kvtransfer.base import (
 from kvtransfer.datapath import Landing, Writing
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
+from kvtransfer.table import ObserveFn
 from kvtransfer.tcp import is_loopback
 
 BACKENDS = ("cuda_ipc", "nccl", "shm", "tcp")  # what the factories accept, usable here or not
@@ -60,6 +61,7 @@ def create_receiver(
     port: int = 0,
     advertise_host: str | None = None,
     device: str | torch.device | None = None,
+    observe: ObserveFn | None = None,
 ) -> Receiver:
     """Called once per decode replica at startup. The receiver owns or adopts the cache.
 
@@ -98,7 +100,9 @@ def create_receiver(
             kv_cache = KVCache.allocate(spec, require_cuda(resolve_device(device)))
         landing = NcclLanding(kv_cache, host, port, advertise_host, options.io_timeout_s)
     try:
-        return Receiver(spec, landing, model_id=model_id, release=release, options=options)
+        return Receiver(
+            spec, landing, model_id=model_id, release=release, options=options, observe=observe
+        )
     except BaseException:
         landing.listener.close()
         landing.close()
@@ -114,11 +118,12 @@ def create_sender(
     options: TransferOptions = TransferOptions(),
     host: str | None = None,
     device: str | torch.device | None = None,
+    observe: ObserveFn | None = None,
 ) -> Sender:
     """Called once per prefill replica at startup. `spec` describes the sender's own cache;
     `release(request_id)` frees a request's source blocks once its transfer ended.
     `options.checksum` adds a CRC32 per layer; tcp connections leave from `host` when given;
-    nccl runs on `device`."""
+    nccl runs on `device`. `observe`: told each transfer's end and settling."""
     _check(backend)
     writing: Writing
     if backend == "shm":
@@ -137,7 +142,9 @@ def create_sender(
         from kvtransfer.nccl import NcclWriting
 
         writing = NcclWriting(spec, device, options.io_timeout_s)
-    return Sender(spec, writing, model_id=model_id, release=release, options=options)
+    return Sender(
+        spec, writing, model_id=model_id, release=release, options=options, observe=observe
+    )
 
 
 __all__ = [

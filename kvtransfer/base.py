@@ -234,6 +234,10 @@ class Ticket:
     request, never written by the transfer). `block_ids` are the destinations of the blocks
     after them: the sender sends the prompt's blocks `num_cached_blocks ..
     num_cached_blocks + num_blocks - 1`, whatever its own prefix cache held.
+
+    Per-rank endpoints (`kvtransfer.ranks`): a tensor-parallel receiver of N ranks, each
+    landing its own shard, names ranks 1..N-1 in `ranks` as (endpoint, epoch); `endpoint`
+    and `epoch` are rank 0's. Rank i of the sender writes rank i's shard there.
     """
 
     request_id: str
@@ -243,6 +247,7 @@ class Ticket:
     epoch: int  # the receiver's incarnation; fences tickets from before a restart
     deadline_s: float = field(compare=False)  # seconds the transfer may take, from issue
     num_cached_blocks: int = 0  # the prompt's leading blocks the receiver holds already
+    ranks: tuple[tuple[str, int], ...] = ()  # per-rank receivers 1..N-1: (endpoint, epoch)
     expires_at: float = field(init=False, compare=False, repr=False)  # this process: monotonic
 
     def __post_init__(self) -> None:
@@ -252,7 +257,7 @@ class Ticket:
 
     def __reduce__(self) -> tuple[object, tuple[object, ...]]:
         fields_ = (self.request_id, self.endpoint, self.block_ids, self.layout, self.epoch)
-        return (Ticket, (*fields_, self.seconds_left(), self.num_cached_blocks))
+        return (Ticket, (*fields_, self.seconds_left(), self.num_cached_blocks, self.ranks))
 
     @property
     def num_blocks(self) -> int:

@@ -22,7 +22,7 @@ from kvtransfer.base import (
     TransferOptions,
     TransferState,
 )
-from kvtransfer.table import TransferRecord, TransferTable
+from kvtransfer.table import ObserveFn, TransferRecord, TransferTable
 from kvtransfer.wire import Connection, Header
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class Endpoint:
         *,
         release_on_done: bool,
         fence: Callable[[TransferRecord], object] | None = None,
+        observe: ObserveFn | None = None,
     ) -> None:
         self.backend, self.options, self.closed = backend, options, False
         self._table = TransferTable(
@@ -52,6 +53,7 @@ class Endpoint:
             fence_timeout_s=options.fence_timeout_s,
             ttl_s=options.tombstone_ttl_s,
             fence=fence,
+            observe=observe,
         )
         self._lock = threading.Lock()  # guards `connections` and `refusals`
         self.connections: set[Connection] = set()

@@ -45,7 +45,7 @@ from kvtransfer.base import (
 )
 from kvtransfer.datapath import Landing
 from kvtransfer.endpoint import Endpoint
-from kvtransfer.table import TransferRecord
+from kvtransfer.table import ObserveFn, TransferRecord
 from kvtransfer.wire import MAX_CONTROL_BYTES, Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,10 @@ class Receiver(Endpoint):
         model_id: str,
         release: ReleaseFn,
         options: TransferOptions = TransferOptions(),
+        observe: ObserveFn | None = None,
     ) -> None:
-        """Called by `create_receiver` once per decode replica; starts the threads."""
+        """Called by `create_receiver` once per decode replica; starts the threads.
+        `observe`: told each transfer's end and settling (`table.ObserveFn`)."""
         if landing.kv_cache.spec != spec:
             raise ValueError(f"kv_cache spec {landing.kv_cache.spec} != receiver spec {spec}")
         self.spec, self.epoch = spec, new_epoch()
@@ -76,7 +78,12 @@ class Receiver(Endpoint):
         self.endpoint: str = landing.endpoint  # the address senders connect to, in tickets
         self._next_idle_check = 0.0
         super().__init__(
-            landing.backend, options, release, release_on_done=False, fence=landing.fence
+            landing.backend,
+            options,
+            release,
+            release_on_done=False,
+            fence=landing.fence,
+            observe=observe,
         )
         landing.listener.settimeout(0.2)
         self._accept_thread = self._start("accept", self._accept_loop)

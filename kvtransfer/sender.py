@@ -48,7 +48,7 @@ from kvtransfer.base import (
 from kvtransfer.datapath import ABORT_ITEM, FINISH_ITEM, LayerItem, Writing
 from kvtransfer.endpoint import Endpoint
 from kvtransfer.rowcopy import as_id_array
-from kvtransfer.table import TransferRecord
+from kvtransfer.table import ObserveFn, TransferRecord
 from kvtransfer.wire import Connection, FrameSocket, Header, Kind
 
 logger = logging.getLogger(__name__)
@@ -81,13 +81,15 @@ class Sender(Endpoint):
         model_id: str,
         release: ReleaseFn,
         options: TransferOptions = TransferOptions(),
+        observe: ObserveFn | None = None,
     ) -> None:
-        """Called by `create_sender` once per prefill replica; starts the worker thread."""
+        """Called by `create_sender` once per prefill replica; starts the worker thread.
+        `observe`: told each transfer's end and settling (`table.ObserveFn`)."""
         self.spec, self.layout = spec, KVLayout.from_spec(spec, model_id)
         self._writing, self._records_lock = writing, threading.Lock()
         self._connecting: dict[str, threading.Lock] = {}  # one handshake per endpoint
         self._queue: queue.SimpleQueue[LayerItem | None] = queue.SimpleQueue()
-        super().__init__(writing.backend, options, release, release_on_done=True)
+        super().__init__(writing.backend, options, release, release_on_done=True, observe=observe)
         self._worker = self._start("worker", self._work)
         self._pinger = self._every("keepalive", options.idle_timeout_s / 4, self._keep_alive)
 

@@ -21,6 +21,12 @@ from kvtransfer.base import KVTransferError, ReleaseFn, Ticket, TransferState, U
 
 logger = logging.getLogger(__name__)
 
+# (request id, its terminal state, its error, settled): called once when a transfer ends
+# (settled False) and once when its blocks are free of every writer and `release` ran or
+# was not due (settled True). Ranks of a tensor-parallel replica report to rank 0 this way
+# (`kvtransfer.ranks`).
+ObserveFn = Callable[[str, TransferState, KVTransferError | None, bool], None]
+
 
 @dataclass(slots=True, eq=False)
 class TransferRecord:
@@ -64,8 +70,10 @@ class TransferTable:
         fence_timeout_s: float = 5.0,
         ttl_s: float = 120.0,
         fence: Callable[[TransferRecord], object] | None = None,
+        observe: ObserveFn | None = None,
     ) -> None:
         self._release, self._release_on_done, self._fence = release, release_on_done, fence
+        self._observe = observe
         self._fence_timeout_s, self._ttl_s = fence_timeout_s, ttl_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -136,6 +144,7 @@ class TransferTable:
                 record.fenced = True
                 record.fence_deadline = record.ended_at + self._fence_timeout_s
             self._changed.notify_all()
+        self._notify(record, settled=False)
         self._settle(record)
         return True
 
@@ -155,16 +164,25 @@ class TransferTable:
             if record.released or record.is_live:
                 return
             record.released = True
-            if record.state is TransferState.DONE and not self._release_on_done:
-                return
-        with record.write_lock:  # a local writer finishes its layer before the blocks go
-            pass
+            due = record.state is not TransferState.DONE or self._release_on_done
+        if due:
+            with record.write_lock:  # a local writer finishes its layer before the blocks go
+                pass
+            try:
+                if self._fence is not None:
+                    self._fence(record)
+                self._release(record.request_id)
+            except Exception:
+                logger.exception("release(%r) raised", record.request_id)
+        self._notify(record, settled=True)
+
+    def _notify(self, record: TransferRecord, settled: bool) -> None:
+        if self._observe is None:
+            return
         try:
-            if self._fence is not None:
-                self._fence(record)
-            self._release(record.request_id)
+            self._observe(record.request_id, record.state, record.error, settled)
         except Exception:
-            logger.exception("release(%r) raised", record.request_id)
+            logger.exception("observing %r raised", record.request_id)
 
     def wait(self, request_id: str, timeout_s: float) -> TransferState:
         """Block until the transfer is terminal or `timeout_s` passes; returns its state."""

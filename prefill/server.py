@@ -26,14 +26,19 @@ from typing import Any
 
 import numpy as np
 
+from engine.builtin import resolve_model_dir
 from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec
+from engine.loader import load_model_config
 from engine.outputs import RequestOutput
 from engine.scheduler import SchedulerOutput
-from kvtransfer import KVTransferError, Sender, Ticket, TransferOptions, TransferState
+from engine.tp_worker import RankSends
+from kvtransfer import KVLayout, KVTransferError, Ticket, TransferOptions, TransferState
 from kvtransfer import create_sender as create_kv_sender
+from kvtransfer.ranks import AnySender, GroupSender, open_group_sender
 from kvtransfer.reshard import Resharding
 from prefill.trace import PrefillTrace
-from replica.engine_replica import EngineReplica, ObserverFactory
+from replica.engine_replica import EngineReplica, ObserverFactory, model_id_for
 from replica.generation_trace import GenerationTrace
 from replica.protocol import GenerationSpec, PrefillRequest, PrefillResult, WarmRequest
 from replica.signals import (
@@ -61,25 +66,54 @@ class PrefillServer:
         cpu_affinity: Sequence[int] | None = None,
         source_host: str | None = None,
         serves_decode: bool = False,
+        per_rank: bool = False,
     ) -> None:
         """`telemetry(role)`, when given, sets up this process's tracing first (once);
         each of `observers` is called with `stats` once the replica is built;
         `cpu_affinity` pins the process to those cores (`PoolConfig.cpu_affinity`); tcp
         connections to decode replicas leave from `source_host` when given;
-        `serves_decode` (`PoolConfig.serves_decode`): `generate` serves whole requests."""
+        `serves_decode` (`PoolConfig.serves_decode`): `generate` serves whole requests;
+        `per_rank` (tensor parallel): every rank sends its own KV shard to the same rank of
+        a decode replica of the same TP size (`kvtransfer.ranks`)."""
         if telemetry is not None:
             telemetry(f"prefill:{pool}")
         self.pool = pool
-        self.replica = EngineReplica(f"prefill:{pool}", engine_config, cpu_affinity=cpu_affinity)
-        self.engine = self.replica.engine
-        self.sender: Sender = create_kv_sender(
-            backend,
-            self.engine.kv_spec,
-            model_id=self.replica.model_id,
-            release=self._on_release,
-            options=transfer_options,
-            host=source_host if backend == "tcp" else None,
+        ranks = None
+        if per_rank and engine_config.tensor_parallel_size > 1:
+            model_dir = str(resolve_model_dir(engine_config.model_dir))
+            model_config = load_model_config(model_dir, engine_config.dtype)
+            spec = KVCacheSpec.for_engine(engine_config, model_config)
+            model_id = model_id_for(model_config, model_dir)
+            ranks = open_group_sender(
+                backend,
+                spec,
+                model_id=model_id,
+                options=transfer_options,
+                device=engine_config.device,
+                source_host=source_host,
+            )
+        self.replica = EngineReplica(
+            f"prefill:{pool}",
+            engine_config,
+            cpu_affinity=cpu_affinity,
+            rank_endpoints=None if ranks is None else ranks[1],
         )
+        self.engine = self.replica.engine
+        self.sender: AnySender
+        if ranks is not None:  # every rank sends its own KV shard (`kvtransfer.ranks`)
+            workers = self.engine.workers
+            assert workers is not None
+            layout = KVLayout.from_spec(self.engine.kv_spec, self.replica.model_id)
+            self.sender = GroupSender(ranks[0], workers.links, layout, self._on_release, ranks[2])
+        else:
+            self.sender = create_kv_sender(
+                backend,
+                self.engine.kv_spec,
+                model_id=self.replica.model_id,
+                release=self._on_release,
+                options=transfer_options,
+                host=source_host if backend == "tcp" else None,
+            )
         self._tickets: dict[str, Ticket] = {}
         self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for
@@ -236,6 +270,18 @@ class PrefillServer:
         if not sends:
             return None
         kv = self.engine.kv_cache
+        if isinstance(self.sender, GroupSender):  # kv: rank 0's shard; workers send theirs
+            group = self.sender
+
+            def own(layer: int) -> None:
+                for ticket, block_ids in sends:
+                    k, v = kv.key_caches[layer], kv.value_caches[layer]
+                    group.send_layer(ticket, layer, k, v, block_ids)
+                for timeline in timelines:
+                    timeline.layer_sent()
+
+            rows = tuple((t.request_id, tuple(int(b) for b in ids)) for t, ids in sends)
+            return RankSends(own, rows)
         size = self.sender.layout.tensor_parallel_size
 
         def hook(layer: int) -> None:

@@ -25,6 +25,7 @@ from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestSpec
+from engine.tp_worker import RankEndpoints
 from replica.prefix_digest import PrefixDigest
 from replica.protocol import GenerationSpec
 from replica.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
@@ -119,14 +120,16 @@ class EngineReplica:
         kv_cache: KVCache | None = None,
         stall_timeout_s: float = STALL_TIMEOUT_S,
         cpu_affinity: Sequence[int] | None = None,
+        rank_endpoints: RankEndpoints | None = None,
     ) -> None:
-        """`cpu_affinity`: cores to pin the process to before the engine starts (None: as is)."""
+        """`cpu_affinity`: cores to pin the process to before the engine starts (None: as is);
+        `rank_endpoints`: the TP workers' own KV transfer endpoints (`Engine`)."""
         if cpu_affinity is not None:
             pin_to_cores(cpu_affinity)
         self.role = role
         self.stall_timeout_s = stall_timeout_s
         self.name = replica_name(role)
-        self.engine = Engine(config, kv_cache=kv_cache)
+        self.engine = Engine(config, kv_cache=kv_cache, rank_endpoints=rank_endpoints)
         self.loop = AsyncEngine(self.engine)
         self.counters: Counter[str] = Counter()
         self.observers: list[ReplicaObserver] = []

@@ -212,23 +212,49 @@ class PDServeConfig(_Strict):
             )
         return self
 
+    def per_rank_transfer(self, pool: PoolConfig) -> bool:
+        """Whether `pool`'s replicas move KV with one endpoint per rank (`transfer.per_rank`:
+        by default on cuda only); it matters only for tensor_parallel_size > 1."""
+        if self.transfer.per_rank is not None:
+            return self.transfer.per_rank
+        return self.engine_config(pool).device == "cuda"
+
     @model_validator(mode="after")
     def _check_tensor_parallel(self) -> PDServeConfig:
+        moving = [
+            pool
+            for pool in self.pools
+            if pool.role == "prefill" or (pool.role == "decode" and not pool.fallback)
+        ]
+        disaggregated = bool(self.pools_by_role("prefill"))
         for pool in self.pools:
             config = self.engine_config(pool)
             size = config.tensor_parallel_size
-            if size == 1 or config.device != "cuda":
+            if size == 1:
                 continue
-            if pool.num_gpus < size:
+            if config.device == "cuda" and pool.num_gpus < size:
                 raise ValueError(
                     f"pool {pool.name!r}: a replica with tensor_parallel_size {size} owns "
                     f"{size} GPUs; set num_gpus to {size} (got {pool.num_gpus})"
                 )
-            if self.pools_by_role("prefill"):
+            if not disaggregated or pool not in moving:
+                continue
+            if config.device == "cuda" and self.transfer.per_rank is False:
                 raise ValueError(
-                    "tensor_parallel_size > 1 on cuda is colocated only for now: moving KV "
-                    "from GPU ranks needs per-rank transfer endpoints (docs/architecture.md)"
+                    f"pool {pool.name!r}: on cuda each rank's KV shard lives on its own GPU, "
+                    "so tensor-parallel replicas move KV per rank: transfer.per_rank must "
+                    "not be false"
                 )
+            if self.per_rank_transfer(pool):
+                sizes = {p.name: self.engine_config(p).tensor_parallel_size for p in moving}
+                if len(set(sizes.values())) > 1:
+                    listed = ", ".join(f"{name}: {n}" for name, n in sizes.items())
+                    raise ValueError(
+                        "per-rank KV transfer (transfer.per_rank, on by default on cuda) "
+                        "moves rank i's shard to rank i: prefill and decode pools need the "
+                        f"same tensor_parallel_size (got {listed}); re-sharding KV heads "
+                        "between sizes runs on the cpu with per_rank false"
+                    )
         return self
 
     @model_validator(mode="after")

@@ -40,6 +40,15 @@ class TransferSettings(_Strict):
         description="Seconds a decode replica waits for a request's KV before failing it.",
     )
     checksum: bool = Field(default=False, description="Checksum blocks to detect corruption.")
+    per_rank: bool | None = Field(
+        default=None,
+        description="Tensor-parallel replicas: every rank moves its own KV shard, rank i of a "
+        "prefill replica to rank i of a decode replica (one endpoint per rank; prefill and "
+        "decode pools of the same tensor_parallel_size). Default (null): on for cuda, where "
+        "each rank's shard lives on its own GPU; off for cpu, where rank 0's one endpoint "
+        "reaches every rank's shard in shared memory and re-shards KV heads between pools "
+        "of different sizes.",
+    )
 
     @field_validator("bind_host", "source_host")
     @classmethod

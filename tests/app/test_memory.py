@@ -73,9 +73,12 @@ def _example_70b() -> dict[str, Any]:
 
 
 def test_70b_example_is_a_valid_config() -> None:
+    """Disaggregated: TP=2 prefill and decode pools, KV moving per rank (on cuda)."""
     config = PDServeConfig.model_validate(_example_70b())
-    (pool,) = config.pools
-    assert pool.num_gpus == config.engine_config(pool).tensor_parallel_size == 2
+    assert [pool.role for pool in config.pools] == ["prefill", "decode"]
+    for pool in config.pools:
+        assert pool.num_gpus == config.engine_config(pool).tensor_parallel_size == 2
+        assert config.per_rank_transfer(pool)
 
 
 def test_70b_example_fits_an_h200() -> None:

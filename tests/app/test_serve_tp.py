@@ -18,6 +18,7 @@ from decode.server import DecodeServer
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import SamplingParams
+from kvtransfer.ranks import GroupReceiver, GroupSender
 from prefill.server import PrefillServer
 from replica.protocol import GenerationSpec
 from tests.decode.test_server import InProcessHandle
@@ -188,6 +189,58 @@ def test_tp_servers_in_process_equal_tp1(
             server.engine.close()
 
 
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_per_rank_endpoints_in_process_equal_tp1(
+    model_dir: Path, tp1_texts: list[str], backend: str
+) -> None:
+    """Prefill TP=2 into decode TP=2 with one endpoint per rank (`kvtransfer.ranks`), every
+    rank in its own process with its own KV shard, as CUDA ranks run: the same tokens, the
+    KV over the transfer (no local prefill), every block back after each request."""
+    from tests.app.conftest import wait_until
+
+    def config() -> EngineConfig:
+        return EngineConfig(model_dir=str(model_dir), num_threads=1, tensor_parallel_size=2)
+
+    prefill = PrefillServer(config(), backend=backend, per_rank=True)
+    decode = DecodeServer(
+        config(),
+        backend=backend,
+        prefill_pools={"p": InProcessHandle(prefill)},
+        deadline_s=60,
+        per_rank=True,
+    )
+    assert isinstance(prefill.sender, GroupSender)
+    assert isinstance(decode.receiver, GroupReceiver)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+    async def text(i: int, prompt: str) -> str:
+        spec = GenerationSpec(
+            request_id=f"r{i}",
+            prompt_token_ids=tuple(decode.engine.tokenize(prompt)),
+            sampling_params=params,
+            prefill_pool="p",
+        )
+        return "".join([delta.new_text async for delta in decode.generate(spec)])
+
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            assert asyncio.run(text(i, prompt)) == tp1_texts[i]
+            for server in (decode, prefill):
+                wait_until(
+                    lambda s=server: s.stats()["num_free_blocks"] == s.stats()["num_blocks"],
+                    30,
+                    "every block back after the request",
+                )
+        counters = decode.stats()["counters"]
+        assert counters["remote_prefill"] == len(PROMPTS), counters
+        assert "local_prefill_fallback" not in counters, counters
+        assert decode.receiver.transfer_counts()["num_open"] == 0
+    finally:
+        for server in (decode, prefill):
+            server.shutdown()
+            server.engine.close()
+
+
 # ---- configuration ----------------------------------------------------------------------
 
 
@@ -209,7 +262,7 @@ def test_a_pool_may_set_its_own_tp_size() -> None:
         )
 
 
-def test_cuda_tp_needs_a_gpu_per_rank_and_serves_colocated() -> None:
+def test_cuda_tp_needs_a_gpu_per_rank_and_moves_kv_per_rank() -> None:
     colocated = {"local_prefill_threshold": 10**6}
     with pytest.raises(ValidationError, match="set num_gpus to 4"):
         PDServeConfig.model_validate(
@@ -219,17 +272,26 @@ def test_cuda_tp_needs_a_gpu_per_rank_and_serves_colocated() -> None:
                 **colocated,
             }
         )
-    with pytest.raises(ValidationError, match="per-rank transfer endpoints"):
+    disaggregated: dict[str, Any] = {
+        "model": {"tensor_parallel_size": 2, "device": "cuda"},
+        "pools": [
+            {"name": "p", "role": "prefill", "num_gpus": 2},
+            {"name": "d", "role": "decode", "num_gpus": 2},
+        ],
+        "transfer": {"backend": "nccl"},
+    }
+    config = PDServeConfig.model_validate(disaggregated)
+    assert all(config.per_rank_transfer(pool) for pool in config.pools)
+    with pytest.raises(ValidationError, match="transfer.per_rank must not be false"):
         PDServeConfig.model_validate(
-            {
-                "model": {"tensor_parallel_size": 2, "device": "cuda"},
-                "pools": [
-                    {"name": "p", "role": "prefill", "num_gpus": 2},
-                    {"name": "d", "role": "decode", "num_gpus": 2},
-                ],
-                "transfer": {"backend": "nccl"},
-            }
+            {**disaggregated, "transfer": {"backend": "nccl", "per_rank": False}}
         )
+    wide_prefill = [
+        {"name": "p", "role": "prefill", "num_gpus": 4, "engine": {"tensor_parallel_size": 4}},
+        {"name": "d", "role": "decode", "num_gpus": 2},
+    ]
+    with pytest.raises(ValidationError, match=r"same tensor_parallel_size \(got p: 4, d: 2\)"):
+        PDServeConfig.model_validate({**disaggregated, "pools": wide_prefill})
     PDServeConfig.model_validate(
         {
             "model": {"tensor_parallel_size": 2, "device": "cuda"},
@@ -237,3 +299,10 @@ def test_cuda_tp_needs_a_gpu_per_rank_and_serves_colocated() -> None:
             **colocated,
         }
     )
+    # On the CPU rank 0's one endpoint re-shards between sizes; per rank, sizes must agree.
+    cpu = {**disaggregated, "model": {"tensor_parallel_size": 2}, "transfer": {"backend": "shm"}}
+    assert not PDServeConfig.model_validate(cpu).per_rank_transfer(config.pools[0])
+    with pytest.raises(ValidationError, match="same tensor_parallel_size"):
+        PDServeConfig.model_validate(
+            {**cpu, "pools": wide_prefill, "transfer": {"backend": "shm", "per_rank": True}}
+        )
