@@ -1,0 +1,358 @@
+"""Rank 0's group endpoints: `GroupReceiver` (decode) and `GroupSender` (prefill), the
+calls of one `Receiver` or `Sender` made over every rank's own endpoint."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.kv_cache import KVCache, KVCacheSpec
+from kvtransfer.base import (
+    BlockIds,
+    KVLayout,
+    KVLayoutMismatchError,
+    KVTransferError,
+    PeerLostError,
+    ReleaseFn,
+    Ticket,
+    TransferAbortedError,
+    TransferOptions,
+    TransferState,
+)
+from kvtransfer.ranks.group import GroupTable
+from kvtransfer.ranks.link import CALL_TIMEOUT_S, RankLink, RankTransfer, nothing, result
+from kvtransfer.ranks.shards import rank_model_id, rank_ticket, shard_spec
+from kvtransfer.receiver import Receiver
+from kvtransfer.sender import Sender
+
+
+@dataclass(slots=True)
+class _Ranks:
+    """Rank 0's own endpoint and its links to the workers, observed by one group table."""
+
+    own: Receiver | Sender
+    links: Sequence[RankLink]
+    table: GroupTable = field(init=False)
+
+    def attach(self, table: GroupTable) -> None:
+        self.table = table
+        for link in self.links:
+            link.on_event = _bind_rank(table, link.rank)
+            link.on_lost = _bind_lost(table, link.rank)
+            if link.lost is not None:
+                table.settle_unheard(link.rank, link.lost)
+
+    def problem(self) -> str | None:
+        if (problem := self.own.serving_problem()) is not None:
+            return problem
+        lost = next((link for link in self.links if link.lost is not None), None)
+        return None if lost is None else f"tensor-parallel rank {lost.rank} is gone"
+
+    def abort(self, request_id: str) -> None:
+        self.own.abort(request_id)
+        for link in self.links:
+            link.cast("abort", request_id)
+
+
+def _bind_rank(
+    table: GroupTable, rank: int
+) -> Callable[[str, TransferState, KVTransferError | None, bool], None]:
+    return lambda rid, state, error, settled: table.observe(rank, rid, state, error, settled)
+
+
+def _bind_lost(table: GroupTable, rank: int) -> Callable[[PeerLostError], None]:
+    return lambda lost: table.settle_unheard(rank, lost)
+
+
+def group_observer(
+    holder: list[GroupTable],
+) -> Callable[[str, TransferState, KVTransferError | None, bool], None]:
+    """Rank 0's own endpoint's `ObserveFn`, for a group table made after the endpoint."""
+    return lambda rid, state, error, settled: holder[0].observe(0, rid, state, error, settled)
+
+
+class GroupReceiver:
+    """Decode rank 0's receiver for a replica whose ranks each land their own shard. The
+    same calls as `Receiver` (what `decode/` uses); `release(request_id)` runs once per
+    group transfer that does not end DONE, after every rank has settled."""
+
+    def __init__(
+        self,
+        own: Receiver,
+        links: Sequence[RankLink],
+        rank_endpoints: Sequence[tuple[str, int]],
+        layout: KVLayout,
+        release: ReleaseFn,
+        holder: list[GroupTable],
+    ) -> None:
+        """`own` was created with `observe=group_observer(holder)`; `rank_endpoints`: the
+        workers' receivers (endpoint, epoch), ranks 1..N-1; `layout`: the replica's."""
+        self.own, self.layout, self.spec = own, layout, own.spec
+        self.kv_cache, self.endpoint, self.epoch = own.kv_cache, own.endpoint, own.epoch
+        self.backend = own.backend
+        self._rank_endpoints = tuple(rank_endpoints)
+        self._table = GroupTable(layout.tensor_parallel_size, release, release_on_done=False)
+        holder.append(self._table)
+        self._ranks = _Ranks(own, links)
+        self._ranks.attach(self._table)
+
+    def open_ticket(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        deadline_s: float,
+        num_cached_blocks: int = 0,
+    ) -> Ticket:
+        """Open the transfer on every rank (`Receiver.open_ticket`); the ticket names them."""
+        self._table.open(request_id)
+        try:
+            own = self.own.open_ticket(request_id, block_ids, deadline_s, num_cached_blocks)
+        except BaseException:
+            self._table.discard(request_id)
+            raise
+        ids, links = own.block_ids, self._ranks.links
+        calls = [
+            link.call_async("open", request_id, ids, deadline_s, num_cached_blocks)
+            for link in links
+        ]
+        failure: KVTransferError | None = None
+        for link, call in zip(links, calls, strict=True):
+            try:
+                result(call, CALL_TIMEOUT_S, link.rank)
+            except KVTransferError as exc:
+                failure = failure or exc
+        if failure is not None:
+            # No sender holds the ticket: nothing can write the blocks, and they stay the
+            # caller's (as when `Receiver.open_ticket` raises), so no release runs.
+            self._table.discard(request_id)
+            self._ranks.abort(request_id)
+            raise failure
+        return Ticket(
+            request_id,
+            own.endpoint,
+            ids,
+            self.layout,
+            own.epoch,
+            deadline_s,
+            num_cached_blocks,
+            self._rank_endpoints,
+        )
+
+    def abort(self, request_id: str) -> None:
+        if self._table.known(request_id):
+            self._ranks.abort(request_id)
+
+    def poll(self, request_id: str) -> TransferState:
+        return self._table.state(request_id)
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        return self._table.wait(request_id, timeout_s)
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        return self._table.error(request_id)
+
+    def transfer_counts(self) -> dict[str, int]:
+        counts = self._table.counts()
+        return {**counts, "num_quarantined": self.own.transfer_counts()["num_quarantined"]}
+
+    def endpoint_stats(self) -> dict[str, int]:
+        return self.own.endpoint_stats()
+
+    def serving_problem(self) -> str | None:
+        return self._ranks.problem()
+
+    def close(self) -> None:
+        for request_id in self._table.unsettled():
+            self._ranks.abort(request_id)
+        self.own.close()
+
+
+class GroupSender:
+    """Prefill rank 0's sender for a replica whose ranks each send their own shard to the
+    same rank of a decode replica of the same TP size. The same calls as `Sender` (what
+    `prefill/` uses); `release(request_id)` runs once per request id it was given, after
+    every rank has settled (no rank reads the source blocks any more)."""
+
+    def __init__(
+        self,
+        own: Sender,
+        links: Sequence[RankLink],
+        layout: KVLayout,
+        release: ReleaseFn,
+        holder: list[GroupTable],
+    ) -> None:
+        self.own, self.layout, self.spec, self.backend = own, layout, own.spec, own.backend
+        self._table = GroupTable(layout.tensor_parallel_size, release, release_on_done=True)
+        holder.append(self._table)
+        self._ranks = _Ranks(own, links)
+        self._ranks.attach(self._table)
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self.own.closed
+
+    def connect(self, ticket: Ticket, timeout_s: float) -> None:
+        """Every rank connects to its peer rank and binds its transfer (`Sender.connect`);
+        the first refusal ends the group transfer and is raised."""
+        size = self.layout.tensor_parallel_size
+        with self._lock:
+            self._table.open(ticket.request_id)
+        if diffs := self.layout.differences(ticket.layout, bridged=()):
+            return self._refuse(ticket, KVLayoutMismatchError(diffs, "sender", "ticket"))
+        if len(ticket.ranks) != size - 1:
+            error = KVLayoutMismatchError(
+                {"rank_endpoints": (size, len(ticket.ranks) + 1)}, "sender", "ticket"
+            )
+            return self._refuse(ticket, error)
+        links = self._ranks.links
+        calls = [
+            link.call_async("connect", rank_ticket(ticket, link.rank), timeout_s) for link in links
+        ]
+        failure: KVTransferError | None = None
+        try:
+            self.own.connect(rank_ticket(ticket, 0), timeout_s)
+        except KVTransferError as exc:
+            failure = exc
+        for link, call in zip(links, calls, strict=True):
+            try:
+                result(call, timeout_s + 1.0, link.rank)
+            except KVTransferError as exc:
+                failure = failure or exc
+                self._table.observe(link.rank, ticket.request_id, TransferState.FAILED, exc, False)
+        if failure is not None:
+            self._ranks.abort(ticket.request_id)
+            raise failure
+        return None
+
+    def _refuse(self, ticket: Ticket, error: KVTransferError) -> None:
+        for rank in range(self.layout.tensor_parallel_size):
+            self._table.observe(rank, ticket.request_id, TransferState.FAILED, error, True)
+        raise error
+
+    def send_layer(
+        self,
+        ticket: Ticket,
+        layer: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        src_block_ids: BlockIds,
+    ) -> None:
+        """Rank 0's own shard of `layer` (the workers send theirs: `RankSends`)."""
+        self.own.send_layer(rank_ticket(ticket, 0), layer, k_cache, v_cache, src_block_ids)
+
+    def finish(self, ticket: Ticket) -> None:
+        self.own.finish(rank_ticket(ticket, 0))
+        for link in self._ranks.links:
+            link.cast("finish", ticket.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Idempotent; a request id never connected is released all the same."""
+        with self._lock:
+            if not self._table.known(request_id):
+                self._table.open(request_id)
+                self._settle_unknown(request_id)
+                return
+        self._ranks.abort(request_id)
+
+    def _settle_unknown(self, request_id: str) -> None:
+        error = TransferAbortedError("aborted by prefill")
+        for rank in range(self.layout.tensor_parallel_size):
+            self._table.observe(rank, request_id, TransferState.ABORTED, error, True)
+
+    def warm(self, endpoint: str, timeout_s: float) -> None:
+        """Rank 0 connects to the decode replica's rank 0 (the others on first use)."""
+        self.own.warm(endpoint, timeout_s)
+
+    def poll(self, request_id: str) -> TransferState:
+        return self._table.state(request_id)
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        return self._table.wait(request_id, timeout_s)
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        return self._table.error(request_id)
+
+    def serving_problem(self) -> str | None:
+        return self._ranks.problem()
+
+    def close(self) -> None:
+        for request_id in self._table.unsettled():
+            self._ranks.abort(request_id)
+        self.own.close()
+
+
+def open_group_receiver(
+    backend: str,
+    spec: KVCacheSpec,
+    *,
+    model_id: str,
+    options: TransferOptions,
+    device: str,
+    network: dict[str, Any],
+) -> tuple[Receiver, RankTransfer, list[GroupTable]]:
+    """Decode rank 0 of a replica of `spec` (replica-wide) with per-rank endpoints: its own
+    receiver (its cache is rank 0's shard: give it to the engine), what the workers open
+    (`Engine(rank_endpoints=...)`), and the holder `GroupReceiver` takes."""
+    from kvtransfer import create_receiver
+
+    size, holder = spec.tensor_parallel_size, list[GroupTable]()
+    own_spec = shard_spec(spec, 0)
+    kv_cache = None if backend == "shm" else KVCache.allocate(own_spec, device)
+    own = create_receiver(
+        backend,
+        own_spec,
+        kv_cache,
+        model_id=rank_model_id(model_id, 0, size),
+        release=nothing,
+        options=options,
+        device=device if backend in ("nccl", "cuda_ipc") else None,
+        observe=group_observer(holder),
+        **network,
+    )
+    transfer = RankTransfer(
+        "receive",
+        backend,
+        model_id,
+        options,
+        listen_host=network.get("host", "127.0.0.1"),
+        advertise_host=network.get("advertise_host"),
+    )
+    return own, transfer, holder
+
+
+def open_group_sender(
+    backend: str,
+    spec: KVCacheSpec,
+    *,
+    model_id: str,
+    options: TransferOptions,
+    device: str,
+    source_host: str | None,
+) -> tuple[Sender, RankTransfer, list[GroupTable]]:
+    """Prefill rank 0's own sender (over rank 0's shard), what the workers open, and the
+    holder `GroupSender` takes."""
+    from kvtransfer import create_sender
+
+    size, holder = spec.tensor_parallel_size, list[GroupTable]()
+    own = create_sender(
+        backend,
+        shard_spec(spec, 0),
+        model_id=rank_model_id(model_id, 0, size),
+        release=nothing,
+        options=options,
+        host=source_host if backend == "tcp" else None,
+        device=device if backend in ("nccl", "cuda_ipc") else None,
+        observe=group_observer(holder),
+    )
+    transfer = RankTransfer("send", backend, model_id, options, source_host=source_host)
+    return own, transfer, holder
+
+
+# What a replica's server holds: one endpoint, or rank 0's group of per-rank endpoints.
+AnyReceiver = Receiver | GroupReceiver
+AnySender = Sender | GroupSender
