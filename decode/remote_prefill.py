@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -27,7 +27,7 @@ from decode.breaker import BreakerBoard, PrefillPlan, PrefillPlanner
 from decode.reservations import Reservation, ReservationTable
 from engine.async_engine import EngineDeadError
 from kvtransfer import KVTransferError, Ticket, TransferState
-from kvtransfer.ranks import AnyReceiver
+from kvtransfer.ranks import AnyReceiver, GroupReceiver
 from replica.calls import PoolCalls
 from replica.engine_replica import EngineReplica
 from replica.generation_trace import GenerationTrace
@@ -121,7 +121,12 @@ class RemotePrefill:
             reservation = Reservation(transfer_id(spec.request_id, attempt))
             window_s = min(self.deadline_s, deadline - time.monotonic())
             timeline.reserve_started()
-            ticket = await self.reserve(spec, reservation, window_s)
+            try:
+                ticket = await self.reserve(spec, reservation, window_s)
+            except KVTransferError as exc:  # a rank of this replica could not open it
+                logger.warning("opening KV transfer %s failed: %r", reservation.transfer_id, exc)
+                counters["kv_open_failed"] += 1
+                return None  # prefill locally: nothing was sent, the blocks are dropped
             timeline.reserved(reservation.transfer_id, ticket is not None)
             if ticket is None:
                 counters["no_kv_room"] += 1
@@ -196,19 +201,28 @@ class RemotePrefill:
         # The leading blocks this replica's prefix cache held are pinned (the reservation
         # holds them, as it holds the rest) and never written: only the others move.
         num_cached_blocks = request.num_computed_tokens // self.replica.engine.kv_spec.block_size
+        open_ticket = partial(
+            self.receiver.open_ticket,
+            reservation.transfer_id,
+            block_ids[num_cached_blocks:],
+            window_s or self.deadline_s,
+            num_cached_blocks,
+        )
+        cancelled = False
         try:
-            ticket = self.receiver.open_ticket(
-                reservation.transfer_id,
-                block_ids[num_cached_blocks:],
-                window_s or self.deadline_s,
-                num_cached_blocks,
-            )
+            if isinstance(self.receiver, GroupReceiver):  # asks every rank: off the loop
+                ticket, cancelled = await _run_to_end(asyncio.to_thread(open_ticket))
+            else:
+                ticket = open_ticket()
         except BaseException:
             with contextlib.suppress(EngineDeadError):
                 loop.call(partial(self.reservations.drop_unticketed, reservation, reserve))
             raise
         reservation.ticket_open = True
         reservation.expires_at = time.monotonic() + ticket.seconds_left() + self.fence_allowance_s
+        if cancelled:  # opened after all: the blocks come back through release
+            self.receiver.abort(reservation.transfer_id)
+            raise asyncio.CancelledError
         return ticket
 
     async def _transfer(
@@ -287,6 +301,29 @@ class RemotePrefill:
             kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
             self._decide(spec, f"attempt {tid} {kind} on {replica or 'unknown replica'}")
             return None, replica, True
+
+
+async def _run_to_end(work: Coroutine[Any, Any, T]) -> tuple[T, bool]:
+    """`work`'s result, waiting for it even if this task is cancelled meanwhile, and whether
+    it was (then the caller undoes what the work did). A cancelled task whose work failed
+    raises CancelledError (from the work's error)."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+        except BaseException:  # noqa: BLE001 - the work's own error, raised below
+            break
+    if task.cancelled():
+        raise asyncio.CancelledError
+    error = task.exception()
+    if error is not None:
+        if cancelled:
+            raise asyncio.CancelledError from error
+        raise error
+    return task.result(), cancelled
 
 
 async def _resolve(response: Any) -> Any:

@@ -148,24 +148,34 @@ class DecodeServer:
                     **network,
                 )
                 kv_cache = self.receiver.kv_cache
-        self.replica = EngineReplica(
-            f"decode:{pool}",
-            engine_config,
-            kv_cache=kv_cache,
-            cpu_affinity=cpu_affinity,
-            rank_endpoints=None if ranks is None else ranks[1],
-        )
-        if ranks is not None:
-            workers = self.replica.engine.workers
-            assert workers is not None
-            self.receiver = GroupReceiver(
-                ranks[0],
-                workers.links,
-                workers.rank_endpoints,
-                KVLayout.from_spec(spec, model_id),
-                lambda tid: self.reservations.on_release(tid),
-                ranks[2],
+        replica = None
+        try:
+            replica = EngineReplica(
+                f"decode:{pool}",
+                engine_config,
+                kv_cache=kv_cache,
+                cpu_affinity=cpu_affinity,
+                rank_endpoints=None if ranks is None else ranks[1],
             )
+            if ranks is not None:
+                workers = replica.engine.workers
+                assert workers is not None
+                self.receiver = GroupReceiver(
+                    ranks[0],
+                    workers.links,
+                    workers.rank_endpoints,
+                    KVLayout.from_spec(spec, model_id),
+                    lambda tid: self.reservations.on_release(tid),
+                    ranks[2],
+                )
+        except BaseException:  # the receiver's listener, threads and shared memory go too
+            for endpoint in (self.receiver, None if ranks is None else ranks[0]):
+                if endpoint is not None:
+                    endpoint.close()
+            if replica is not None:
+                replica.shutdown()
+            raise
+        self.replica = replica
         self.engine = self.replica.engine
         self.loop = self.replica.loop
         # Streams at once, admitted by priority, and their timelines; event loop only.

@@ -65,7 +65,7 @@ class RankEndpoints(Protocol):
     """Per-rank KV transfer endpoints (`kvtransfer.ranks.RankTransfer`; the engine names
     no transfer code): how rank 0 links to a worker's endpoint and how the worker opens it."""
 
-    def link(self, rank: int, conn: Connection) -> Any: ...
+    def link(self, rank: int, conn: Connection, exited: Callable[[], bool]) -> Any: ...
 
     def open_host(
         self,
@@ -204,7 +204,11 @@ class TPWorkers:
         conn = Connection(ours.detach())
         self._conns.append(conn)
         if init.transfer is not None:
-            self.links.append(init.transfer.link(init.rank, Connection(pairs[1][0].detach())))
+            control = Connection(pairs[1][0].detach())
+            # A rank whose link is lost may write until its process has exited.
+            self.links.append(
+                init.transfer.link(init.rank, control, lambda: proc.poll() is not None)
+            )
         conn.send_bytes(pickle.dumps(init))
 
     @property
@@ -257,8 +261,6 @@ class TPWorkers:
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], links: list[Any]) -> None:
-    for link in links:
-        link.close()
     for conn in conns:
         with contextlib.suppress(OSError):
             conn.send_bytes(pickle.dumps(None))
@@ -270,6 +272,8 @@ def _stop(procs: list[subprocess.Popen[bytes]], conns: list[Connection], links: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(STOP_TIMEOUT_S)
+    for link in links:  # after the processes: their transfers settle as they go
+        link.close()
 
 
 def start_workers(

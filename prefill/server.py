@@ -92,28 +92,39 @@ class PrefillServer:
                 device=engine_config.device,
                 source_host=source_host,
             )
-        self.replica = EngineReplica(
-            f"prefill:{pool}",
-            engine_config,
-            cpu_affinity=cpu_affinity,
-            rank_endpoints=None if ranks is None else ranks[1],
-        )
-        self.engine = self.replica.engine
+        replica = None
         self.sender: AnySender
-        if ranks is not None:  # every rank sends its own KV shard (`kvtransfer.ranks`)
-            workers = self.engine.workers
-            assert workers is not None
-            layout = KVLayout.from_spec(self.engine.kv_spec, self.replica.model_id)
-            self.sender = GroupSender(ranks[0], workers.links, layout, self._on_release, ranks[2])
-        else:
-            self.sender = create_kv_sender(
-                backend,
-                self.engine.kv_spec,
-                model_id=self.replica.model_id,
-                release=self._on_release,
-                options=transfer_options,
-                host=source_host if backend == "tcp" else None,
+        try:
+            replica = EngineReplica(
+                f"prefill:{pool}",
+                engine_config,
+                cpu_affinity=cpu_affinity,
+                rank_endpoints=None if ranks is None else ranks[1],
             )
+            if ranks is not None:  # every rank sends its own KV shard (`kvtransfer.ranks`)
+                workers = replica.engine.workers
+                assert workers is not None
+                layout = KVLayout.from_spec(replica.engine.kv_spec, replica.model_id)
+                self.sender = GroupSender(
+                    ranks[0], workers.links, layout, self._on_release, ranks[2]
+                )
+            else:
+                self.sender = create_kv_sender(
+                    backend,
+                    replica.engine.kv_spec,
+                    model_id=replica.model_id,
+                    release=self._on_release,
+                    options=transfer_options,
+                    host=source_host if backend == "tcp" else None,
+                )
+        except BaseException:  # rank 0's sender, its threads and the workers go too
+            if ranks is not None:
+                ranks[0].close()
+            if replica is not None:
+                replica.shutdown()
+            raise
+        self.replica = replica
+        self.engine = replica.engine
         self._tickets: dict[str, Ticket] = {}
         self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for

@@ -245,6 +245,12 @@ class PDServeConfig(_Strict):
                     "so tensor-parallel replicas move KV per rank: transfer.per_rank must "
                     "not be false"
                 )
+            if config.device == "cuda" and self.transfer.backend not in ("nccl", "cuda_ipc"):
+                raise ValueError(
+                    f"pool {pool.name!r}: a tensor-parallel cuda replica moves each rank's KV "
+                    "from its GPU: transfer.backend must be nccl or cuda_ipc (got "
+                    f"{self.transfer.backend!r})"
+                )
             if self.per_rank_transfer(pool):
                 sizes = {p.name: self.engine_config(p).tensor_parallel_size for p in moving}
                 if len(set(sizes.values())) > 1:

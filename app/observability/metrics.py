@@ -139,7 +139,8 @@ METRICS: tuple[MetricSpec, ...] = (
              "Decode pool: remote prefills retried with a fresh reservation and ticket."),
     _replica("pdserve_fallbacks", "counter",
              "Decode pool: requests prefilled locally although routed to a prefill pool, by "
-             "reason (no_kv_room, breaker_open, prefill_backpressure, prefill_failed).",
+             "reason (no_kv_room, breaker_open, prefill_backpressure, kv_open_failed, "
+             "prefill_failed).",
              extra=("reason",)),
     _replica("pdserve_preemptions", "counter", "Requests preempted (recompute) by the engine."),
     _replica("pdserve_kv_transfer_failures", "counter",

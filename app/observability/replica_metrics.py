@@ -41,6 +41,7 @@ FALLBACK_REASONS = {
     "no_kv_room": "no_kv_room",
     "breaker_open": "breaker_local_prefill",
     "prefill_backpressure": "prefill_backpressure",
+    "kv_open_failed": "kv_open_failed",  # a rank of a TP replica could not open the ticket
 }
 CLOSE_TIMEOUT_S = 5.0
 

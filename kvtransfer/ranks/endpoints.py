@@ -4,7 +4,9 @@ calls of one `Receiver` or `Sender` made over every rank's own endpoint."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +26,20 @@ from kvtransfer.base import (
     TransferState,
 )
 from kvtransfer.ranks.group import GroupTable
-from kvtransfer.ranks.link import CALL_TIMEOUT_S, RankLink, RankTransfer, nothing, result
+from kvtransfer.ranks.link import (
+    CALL_TIMEOUT_S,
+    NotSentError,
+    RankLink,
+    RankTransfer,
+    nothing,
+    result,
+)
 from kvtransfer.ranks.shards import rank_model_id, rank_ticket, shard_spec
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
+
+HEALTH_PERIOD_S = 5.0  # a worker's own endpoint is asked for problems this often
+SILENT_MARGIN_S = 60.0  # past a transfer's deadline, a rank that has not ended it is stuck
 
 
 @dataclass(slots=True)
@@ -37,20 +49,57 @@ class _Ranks:
     own: Receiver | Sender
     links: Sequence[RankLink]
     table: GroupTable = field(init=False)
+    # per worker rank: (when last asked, the call in flight, its last answer)
+    _health: dict[int, tuple[float, Future[Any] | None, str | None]] = field(default_factory=dict)
+    _health_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def attach(self, table: GroupTable) -> None:
         self.table = table
         for link in self.links:
             link.on_event = _bind_rank(table, link.rank)
-            link.on_lost = _bind_lost(table, link.rank)
-            if link.lost is not None:
-                table.settle_unheard(link.rank, link.lost)
+            link.on_dead = _bind_dead(table, link.rank)
+            if link.dead and link.lost is not None:
+                table.settle_rank(link.rank, link.lost)
+
+    def gone(self) -> list[int]:
+        """Worker ranks whose process has exited."""
+        return [link.rank for link in self.links if link.dead]
 
     def problem(self) -> str | None:
+        """Why this group cannot serve: rank 0's endpoint's problem, a worker's (asked every
+        `HEALTH_PERIOD_S`, without waiting), a lost control link, or a rank that has not
+        ended a transfer well past its deadline. Never blocks."""
         if (problem := self.own.serving_problem()) is not None:
             return problem
-        lost = next((link for link in self.links if link.lost is not None), None)
-        return None if lost is None else f"tensor-parallel rank {lost.rank} is gone"
+        for link in self.links:
+            if link.lost is not None:
+                return f"tensor-parallel rank {link.rank}: control link lost"
+            if (problem := self._worker_problem(link)) is not None:
+                return f"tensor-parallel rank {link.rank}: {problem}"
+        silent = self.table.silent_ranks(SILENT_MARGIN_S)
+        if silent:
+            return f"tensor-parallel rank(s) {sorted(silent)} hold transfers past their deadline"
+        return None
+
+    def _worker_problem(self, link: RankLink) -> str | None:
+        with self._health_lock:  # health checks may come from several threads
+            return self._ask_worker(link)
+
+    def _ask_worker(self, link: RankLink) -> str | None:
+        now = time.monotonic()
+        asked, call, answer = self._health.get(link.rank, (0.0, None, None))
+        if call is not None and call.done():
+            try:
+                answer = call.result()
+            except KVTransferError as exc:
+                answer = f"no answer: {exc}"
+            call = None
+        elif call is not None and now - asked > CALL_TIMEOUT_S:
+            return f"does not answer (asked {now - asked:.0f} s ago)"
+        if call is None and now - asked >= HEALTH_PERIOD_S:
+            asked, call = now, link.call_async("problem")
+        self._health[link.rank] = (asked, call, answer)
+        return answer
 
     def abort(self, request_id: str) -> None:
         self.own.abort(request_id)
@@ -64,8 +113,8 @@ def _bind_rank(
     return lambda rid, state, error, settled: table.observe(rank, rid, state, error, settled)
 
 
-def _bind_lost(table: GroupTable, rank: int) -> Callable[[PeerLostError], None]:
-    return lambda lost: table.settle_unheard(rank, lost)
+def _bind_dead(table: GroupTable, rank: int) -> Callable[[PeerLostError], None]:
+    return lambda lost: table.settle_rank(rank, lost)
 
 
 def group_observer(
@@ -75,10 +124,36 @@ def group_observer(
     return lambda rid, state, error, settled: holder[0].observe(0, rid, state, error, settled)
 
 
-class GroupReceiver:
+class _Group:
+    """What both group endpoints answer from their group table."""
+
+    _table: GroupTable
+    _ranks: _Ranks
+
+    def poll(self, request_id: str) -> TransferState:
+        return self._table.state(request_id)
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferState:
+        return self._table.wait(request_id, timeout_s)
+
+    def error(self, request_id: str) -> KVTransferError | None:
+        return self._table.error(request_id)
+
+    def serving_problem(self) -> str | None:
+        return self._ranks.problem()
+
+    def close(self) -> None:
+        for request_id in self._table.unsettled():
+            self._ranks.abort(request_id)
+        self._ranks.own.close()
+
+
+class GroupReceiver(_Group):
     """Decode rank 0's receiver for a replica whose ranks each land their own shard. The
-    same calls as `Receiver` (what `decode/` uses); `release(request_id)` runs once per
-    group transfer that does not end DONE, after every rank has settled."""
+    same calls as `Receiver` (what `decode/` uses), except that `open_ticket` waits for
+    every worker's answer (bounded by the ticket's deadline): call it off the event loop.
+    `release(request_id)` runs once per group transfer that does not end DONE, after every
+    rank has settled."""
 
     def __init__(
         self,
@@ -107,29 +182,32 @@ class GroupReceiver:
         deadline_s: float,
         num_cached_blocks: int = 0,
     ) -> Ticket:
-        """Open the transfer on every rank (`Receiver.open_ticket`); the ticket names them."""
-        self._table.open(request_id)
+        """Open the transfer on every rank (`Receiver.open_ticket`); the ticket names them.
+        When a rank cannot open it, nothing was sent: every rank's record is aborted, no
+        release runs (the blocks stay the caller's, as when `Receiver.open_ticket`
+        raises) and the first rank's error is raised."""
+        expires_at = time.monotonic() + deadline_s
+        self._table.open(request_id, deadline_s, gone=self._ranks.gone())
         try:
             own = self.own.open_ticket(request_id, block_ids, deadline_s, num_cached_blocks)
         except BaseException:
-            self._table.discard(request_id)
+            self._table.end_unsent(request_id, TransferAbortedError("not opened"))
             raise
         ids, links = own.block_ids, self._ranks.links
         calls = [
             link.call_async("open", request_id, ids, deadline_s, num_cached_blocks)
             for link in links
         ]
-        failure: KVTransferError | None = None
+        failure = self._table.error(request_id)  # a rank already gone
         for link, call in zip(links, calls, strict=True):
             try:
-                result(call, CALL_TIMEOUT_S, link.rank)
+                left = min(expires_at - time.monotonic(), CALL_TIMEOUT_S)
+                result(call, max(left, 0.0), link.rank)
             except KVTransferError as exc:
                 failure = failure or exc
         if failure is not None:
-            # No sender holds the ticket: nothing can write the blocks, and they stay the
-            # caller's (as when `Receiver.open_ticket` raises), so no release runs.
-            self._table.discard(request_id)
-            self._ranks.abort(request_id)
+            self._table.end_unsent(request_id, failure)
+            self._ranks.abort(request_id)  # an answer that came too late opened it after all
             raise failure
         return Ticket(
             request_id,
@@ -137,7 +215,7 @@ class GroupReceiver:
             ids,
             self.layout,
             own.epoch,
-            deadline_s,
+            max(expires_at - time.monotonic(), 0.001),
             num_cached_blocks,
             self._rank_endpoints,
         )
@@ -146,32 +224,17 @@ class GroupReceiver:
         if self._table.known(request_id):
             self._ranks.abort(request_id)
 
-    def poll(self, request_id: str) -> TransferState:
-        return self._table.state(request_id)
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        return self._table.wait(request_id, timeout_s)
-
-    def error(self, request_id: str) -> KVTransferError | None:
-        return self._table.error(request_id)
-
     def transfer_counts(self) -> dict[str, int]:
+        """`num_open`, `num_fenced` (ended, some rank not yet settled: a worker rank's
+        quarantine shows here) and rank 0's own `num_quarantined`."""
         counts = self._table.counts()
         return {**counts, "num_quarantined": self.own.transfer_counts()["num_quarantined"]}
 
     def endpoint_stats(self) -> dict[str, int]:
         return self.own.endpoint_stats()
 
-    def serving_problem(self) -> str | None:
-        return self._ranks.problem()
 
-    def close(self) -> None:
-        for request_id in self._table.unsettled():
-            self._ranks.abort(request_id)
-        self.own.close()
-
-
-class GroupSender:
+class GroupSender(_Group):
     """Prefill rank 0's sender for a replica whose ranks each send their own shard to the
     same rank of a decode replica of the same TP size. The same calls as `Sender` (what
     `prefill/` uses); `release(request_id)` runs once per request id it was given, after
@@ -190,7 +253,7 @@ class GroupSender:
         holder.append(self._table)
         self._ranks = _Ranks(own, links)
         self._ranks.attach(self._table)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one of connect/abort registers an id
 
     @property
     def closed(self) -> bool:
@@ -198,10 +261,14 @@ class GroupSender:
 
     def connect(self, ticket: Ticket, timeout_s: float) -> None:
         """Every rank connects to its peer rank and binds its transfer (`Sender.connect`);
-        the first refusal ends the group transfer and is raised."""
-        size = self.layout.tensor_parallel_size
+        the first refusal ends the group transfer and is raised. An id seen before (ended,
+        or aborted before it connected) is refused."""
+        rid, size = ticket.request_id, self.layout.tensor_parallel_size
         with self._lock:
-            self._table.open(ticket.request_id)
+            if self._table.known(rid):
+                ended = self._table.error(rid)
+                raise ended or TransferAbortedError(f"transfer {rid!r} ended already")
+            self._table.open(rid, ticket.seconds_left(), gone=self._ranks.gone())
         if diffs := self.layout.differences(ticket.layout, bridged=()):
             return self._refuse(ticket, KVLayoutMismatchError(diffs, "sender", "ticket"))
         if len(ticket.ranks) != size - 1:
@@ -213,25 +280,28 @@ class GroupSender:
         calls = [
             link.call_async("connect", rank_ticket(ticket, link.rank), timeout_s) for link in links
         ]
-        failure: KVTransferError | None = None
+        failure = self._table.error(rid)  # a rank already gone
         try:
             self.own.connect(rank_ticket(ticket, 0), timeout_s)
         except KVTransferError as exc:
-            failure = exc
+            failure = failure or exc
         for link, call in zip(links, calls, strict=True):
             try:
                 result(call, timeout_s + 1.0, link.rank)
             except KVTransferError as exc:
                 failure = failure or exc
-                self._table.observe(link.rank, ticket.request_id, TransferState.FAILED, exc, False)
+                # A live rank that got the call reports its own end (abort below); one
+                # that is dead, or never got it, never will.
+                unheard = link.dead or isinstance(exc, NotSentError)
+                self._table.observe(link.rank, rid, TransferState.FAILED, exc, unheard)
         if failure is not None:
-            self._ranks.abort(ticket.request_id)
+            self._ranks.abort(rid)
             raise failure
         return None
 
     def _refuse(self, ticket: Ticket, error: KVTransferError) -> None:
-        for rank in range(self.layout.tensor_parallel_size):
-            self._table.observe(rank, ticket.request_id, TransferState.FAILED, error, True)
+        """No rank has seen the ticket: the group ends, released as any other end."""
+        self._table.end_unsent(ticket.request_id, error, release=True)
         raise error
 
     def send_layer(
@@ -251,39 +321,19 @@ class GroupSender:
             link.cast("finish", ticket.request_id)
 
     def abort(self, request_id: str) -> None:
-        """Idempotent; a request id never connected is released all the same."""
+        """Idempotent. An id never connected is released all the same (as `Sender.abort`
+        does) and stays refused: a connect arriving after it does not start."""
         with self._lock:
             if not self._table.known(request_id):
-                self._table.open(request_id)
-                self._settle_unknown(request_id)
+                self._table.open(request_id, 0.0)
+                aborted = TransferAbortedError("aborted by prefill")
+                self._table.end_unsent(request_id, aborted, release=True)
                 return
         self._ranks.abort(request_id)
-
-    def _settle_unknown(self, request_id: str) -> None:
-        error = TransferAbortedError("aborted by prefill")
-        for rank in range(self.layout.tensor_parallel_size):
-            self._table.observe(rank, request_id, TransferState.ABORTED, error, True)
 
     def warm(self, endpoint: str, timeout_s: float) -> None:
         """Rank 0 connects to the decode replica's rank 0 (the others on first use)."""
         self.own.warm(endpoint, timeout_s)
-
-    def poll(self, request_id: str) -> TransferState:
-        return self._table.state(request_id)
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferState:
-        return self._table.wait(request_id, timeout_s)
-
-    def error(self, request_id: str) -> KVTransferError | None:
-        return self._table.error(request_id)
-
-    def serving_problem(self) -> str | None:
-        return self._ranks.problem()
-
-    def close(self) -> None:
-        for request_id in self._table.unsettled():
-            self._ranks.abort(request_id)
-        self.own.close()
 
 
 def open_group_receiver(

@@ -7,8 +7,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import pickle
+import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,6 +40,7 @@ from kvtransfer.table import ObserveFn
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0  # a worker answers a control call (connect: its own deadline) this fast
+EXIT_POLL_S = 0.2  # a lost link's rank is checked for having exited this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +60,10 @@ class RankTransfer:
         """An shm receiver: it makes its rank's cache (in shared memory) itself."""
         return self.role == "receive" and self.backend == "shm"
 
-    def link(self, rank: int, conn: Connection) -> RankLink:
-        """Rank 0: its end of worker `rank`'s control socket."""
-        return RankLink(rank, conn)
+    def link(self, rank: int, conn: Connection, exited: Callable[[], bool]) -> RankLink:
+        """Rank 0: its end of worker `rank`'s control socket (`exited`: whether the
+        worker's process has exited)."""
+        return RankLink(rank, conn, exited)
 
     def open_host(
         self,
@@ -85,31 +90,37 @@ class RankLink:
     """Rank 0's end of worker `rank`'s control socket: calls (answered in any order) and
     the worker's transfer events, read by one thread."""
 
-    def __init__(self, rank: int, conn: Connection) -> None:
-        self.rank, self._conn = rank, conn
+    def __init__(self, rank: int, conn: Connection, exited: Callable[[], bool]) -> None:
+        """`exited()`: whether the rank's process has exited; until it has, a lost link's
+        rank may still be writing, so its transfers stay unsettled."""
+        self.rank, self._conn, self.exited = rank, conn, exited
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._closed = False
         self._ids = itertools.count()
         self._pending: dict[int, Future[Any]] = {}
-        self.lost: PeerLostError | None = None
+        self.lost: PeerLostError | None = None  # the socket closed or broke
+        self.dead = False  # lost, and the rank's process has exited (`on_dead` ran)
         self.on_event: Callable[[str, TransferState, KVTransferError | None, bool], None] = (
             lambda *_: None
         )
-        self.on_lost: Callable[[PeerLostError], None] = lambda _: None
+        self.on_dead: Callable[[PeerLostError], None] = lambda _: None
         self._reader = threading.Thread(target=self._read, name=f"kv-rank{rank}-link", daemon=True)
         self._reader.start()
 
     def call_async(self, op: str, *args: object) -> Future[Any]:
+        """The call's answer; `NotSentError` when the link was lost before it left."""
         future: Future[Any] = Future()
+        not_sent = NotSentError(f"tensor-parallel rank {self.rank}: control link lost")
         with self._lock:
             if self.lost is not None:
-                future.set_exception(self.lost)
+                future.set_exception(not_sent)
                 return future
             call_id = next(self._ids)
             self._pending[call_id] = future
         if not self._send(("call", call_id, op, args)):
             with self._lock:
                 self._pending.pop(call_id, None)
-            future.set_exception(PeerLostError(f"tensor-parallel rank {self.rank} is gone"))
+            future.set_exception(not_sent)
         return future
 
     def call(self, op: str, *args: object, timeout_s: float = CALL_TIMEOUT_S) -> Any:
@@ -120,16 +131,19 @@ class RankLink:
         self._send(("cast", -1, op, args))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.close()
+        with self._send_lock:  # not under a send in progress
+            self._closed = True
+            _close(self._conn)
 
     def _send(self, message: tuple[object, ...]) -> bool:
         payload = pickle.dumps(message)
         with self._send_lock:
+            if self._closed:
+                return False
             try:
                 self._conn.send_bytes(payload)
                 return True
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - a broken link: the reader reports it lost
                 return False
 
     def _read(self) -> None:
@@ -146,9 +160,7 @@ class RankLink:
                         else:
                             future.set_exception(error_from_wire(value, f"rank {self.rank}"))
                 else:  # "event"
-                    request_id, code, error, settled = rest
-                    err = None if error is None else error_from_wire(error, f"rank {self.rank}")
-                    self.on_event(request_id, TransferState.from_code(code), err, settled)
+                    self._event(*rest)
         except (EOFError, OSError, ValueError):
             pass
         except Exception:
@@ -160,7 +172,33 @@ class RankLink:
         for future in pending:
             with contextlib.suppress(Exception):
                 future.set_exception(lost)
-        self.on_lost(lost)
+        while not self.exited():  # it may still write: its transfers settle once it is gone
+            time.sleep(EXIT_POLL_S)
+        self.dead = True
+        self.on_dead(lost)
+
+    def _event(self, request_id: str, code: int, error: Any, settled: bool) -> None:
+        try:
+            err = None if error is None else error_from_wire(error, f"rank {self.rank}")
+            self.on_event(request_id, TransferState.from_code(code), err, settled)
+        except Exception:  # the link stays up: one bad event is that transfer's problem
+            logger.exception("tensor-parallel rank %d: event for %r failed", self.rank, request_id)
+
+
+class NotSentError(PeerLostError):
+    """A call never reached the worker (its control link was lost already): the worker knows
+    nothing of it."""
+
+
+def _close(conn: Connection) -> None:
+    """Shut the socket down (a thread blocked reading it wakes up, the peer reads EOF), then
+    close it."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+    with contextlib.suppress(OSError):
+        conn.close()
 
 
 def result(future: Future[Any], timeout_s: float, rank: int) -> Any:
@@ -177,14 +215,16 @@ def result(future: Future[Any], timeout_s: float, rank: int) -> Any:
 
 class RankHost:
     """A worker rank's endpoint and its control socket: answers rank 0's calls on one
-    thread (connects and warm-ups each on a thread of their own, as they may wait on a
-    peer), reports its transfers' ends, and sends its shard's layers in the step's hook."""
+    thread (connects, warm-ups and aborts each on a thread of their own, as they may wait
+    on a peer or a write in flight), reports its transfers' ends, and sends its shard's
+    layers in the step's hook."""
 
     def __init__(self, rank: int, conn: Connection) -> None:
         """Then `start(endpoint)`, the endpoint opened with `observe=host.observe`."""
         self.rank, self._conn = rank, conn
         self.endpoint: Receiver | Sender | None = None
         self._send_lock = threading.Lock()
+        self._closed = False
         self._tickets: dict[str, Ticket] = {}  # sender: the rank tickets being served
         self._thread = threading.Thread(target=self._serve, name="kv-rank-host", daemon=True)
 
@@ -210,22 +250,33 @@ class RankHost:
                 k, v = kv_cache.key_caches[layer], kv_cache.value_caches[layer]
                 self.endpoint.send_layer(ticket, layer, k, v, block_ids)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if self.endpoint is not None:
             self.endpoint.close()
-        with contextlib.suppress(OSError):
-            self._conn.close()
+        self._close()
+
+    def _close(self) -> None:
+        with self._send_lock:  # once, and not under a send in progress
+            if not self._closed:
+                self._closed = True
+                _close(self._conn)
 
     def _send(self, message: tuple[object, ...]) -> None:
         payload = pickle.dumps(message)
-        with self._send_lock, contextlib.suppress(OSError, ValueError):
-            self._conn.send_bytes(payload)
+        with self._send_lock:
+            if not self._closed:
+                with contextlib.suppress(Exception):  # rank 0 gone: nothing to tell
+                    self._conn.send_bytes(payload)
 
     def _serve(self) -> None:
         try:
             while True:
                 kind, call_id, op, args = pickle.loads(self._conn.recv_bytes())
-                if op in ("connect", "warm"):
+                if op in ("connect", "warm", "abort"):  # may wait on a peer or a write
                     worker = threading.Thread(
                         target=self._answer, args=(kind, call_id, op, args), daemon=True
                     )
@@ -233,7 +284,11 @@ class RankHost:
                 else:
                     self._answer(kind, call_id, op, args)
         except (EOFError, OSError, ValueError):
-            return  # rank 0 is gone; the worker's main loop exits on its own socket
+            pass  # rank 0 is gone; the worker's main loop exits on its own socket
+        except Exception:
+            logger.exception("tensor-parallel rank %d: control socket failed", self.rank)
+        finally:  # rank 0 sees the link lost (its health check says so)
+            self._close()
 
     def _answer(self, kind: str, call_id: int, op: str, args: tuple[Any, ...]) -> None:
         try:
@@ -260,8 +315,12 @@ class RankHost:
     # send
     def _op_connect(self, ticket: Ticket, timeout_s: float) -> None:
         assert isinstance(self.endpoint, Sender)
-        self._tickets[ticket.request_id] = ticket
-        self.endpoint.connect(ticket, timeout_s)
+        self._tickets[ticket.request_id] = ticket  # before any layer of it can be sent
+        try:
+            self.endpoint.connect(ticket, timeout_s)
+        except BaseException:
+            self._tickets.pop(ticket.request_id, None)  # refused: no event may follow
+            raise
 
     def _op_finish(self, request_id: str) -> None:
         assert isinstance(self.endpoint, Sender)

@@ -151,6 +151,17 @@ def test_killed_replica_leaves_no_worker(server: Server, tp1_texts: list[str]) -
 # ---- the same servers without Ray (every transfer backend on the CPU) -------------------
 
 
+async def _remote_text(decode: DecodeServer, request_id: str, prompt: str) -> str:
+    """`prompt`'s greedy text through `decode`, its prompt prefilled on pool "p"."""
+    spec = GenerationSpec(
+        request_id=request_id,
+        prompt_token_ids=tuple(decode.engine.tokenize(prompt)),
+        sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        prefill_pool="p",
+    )
+    return "".join([delta.new_text async for delta in decode.generate(spec)])
+
+
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
 def test_tp_servers_in_process_equal_tp1(
@@ -166,19 +177,10 @@ def test_tp_servers_in_process_equal_tp1(
     decode = DecodeServer(
         config(decode_tp), backend=backend, prefill_pools={"p": handle}, deadline_s=60
     )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-    async def text(i: int, prompt: str) -> str:
-        spec = GenerationSpec(
-            request_id=f"r{i}",
-            prompt_token_ids=tuple(decode.engine.tokenize(prompt)),
-            sampling_params=params,
-            prefill_pool="p",
-        )
-        return "".join([delta.new_text async for delta in decode.generate(spec)])
 
     async def run() -> list[str]:
-        return list(await asyncio.gather(*(text(i, p) for i, p in enumerate(PROMPTS))))
+        texts = (_remote_text(decode, f"r{i}", p) for i, p in enumerate(PROMPTS))
+        return list(await asyncio.gather(*texts))
 
     try:
         assert asyncio.run(run()) == tp1_texts
@@ -211,20 +213,10 @@ def test_per_rank_endpoints_in_process_equal_tp1(
     )
     assert isinstance(prefill.sender, GroupSender)
     assert isinstance(decode.receiver, GroupReceiver)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-    async def text(i: int, prompt: str) -> str:
-        spec = GenerationSpec(
-            request_id=f"r{i}",
-            prompt_token_ids=tuple(decode.engine.tokenize(prompt)),
-            sampling_params=params,
-            prefill_pool="p",
-        )
-        return "".join([delta.new_text async for delta in decode.generate(spec)])
 
     try:
         for i, prompt in enumerate(PROMPTS):
-            assert asyncio.run(text(i, prompt)) == tp1_texts[i]
+            assert asyncio.run(_remote_text(decode, f"r{i}", prompt)) == tp1_texts[i]
             for server in (decode, prefill):
                 wait_until(
                     lambda s=server: s.stats()["num_free_blocks"] == s.stats()["num_blocks"],

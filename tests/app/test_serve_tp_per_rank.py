@@ -7,17 +7,13 @@ nothing held."""
 
 from __future__ import annotations
 
-import signal
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from bench.serve.faults import replica_pids, signal_pid, wait_for_new_replica
 from tests.app.conftest import wait_until
-from tests.app.test_serve_tp import _tp_workers
+from tests.app.tp_drills import kill_prefill_rank_mid_transfer
 
 if TYPE_CHECKING:
     from tests.app.conftest import HFGreedy, Server
@@ -27,7 +23,6 @@ pytestmark = pytest.mark.slow
 APP = "pdserve"
 MODEL = "pdserve-tiny"
 MAX_TOKENS = 16
-RESTART_TIMEOUT_S = 180.0
 PROMPTS = [
     "a prompt long enough to go to the prefill pool, over a couple of KV blocks",
     "another prompt for the prefill pool, each rank's KV heads on their own connection",
@@ -54,15 +49,6 @@ def pdserve_args(model_dir: Path) -> dict[str, Any]:
             "per_rank": True,
         },
         "local_prefill_threshold": 8,  # the prompts above go to the prefill pool
-    }
-
-
-def _used_blocks(server: Server) -> dict[str, int]:
-    pools = server.stats()["pools"]
-    return {
-        name: pool["num_blocks"] - pool["num_free_blocks"]
-        for name, pool in pools.items()
-        if "error" not in pool
     }
 
 
@@ -95,59 +81,5 @@ def test_prefill_rank_killed_mid_transfer_leaves_nothing_held(server: Server, hf
     ticket open on both decode ranks, the decode blocks reserved) cannot finish; then it is
     killed. The request is answered (decode prefills it itself), every block of every pool
     is free, Serve replaces the prefill replica, and per-rank transfers work again."""
-    (prefill_pid,) = replica_pids(APP, "prefill")
-    (worker,) = _tp_workers()[prefill_pid]
     prompt = "a prompt whose prefill is stopped mid-transfer: its rank dies under it"
-    expected = hf.complete(prompt, MAX_TOKENS).text
-    decode_before = server.stats()["pools"]["decode"]["counters"]
-    started = server.stats()["pools"]["prefill"]["counters"].get("requests", 0)
-    assert signal_pid(worker, signal.SIGSTOP)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            answer = pool.submit(
-                server.openai().completions.create,
-                model=MODEL,
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-            )
-            wait_until(
-                lambda: (
-                    server.stats()["pools"]["prefill"]["counters"].get("requests", 0) > started
-                    and _used_blocks(server).get("decode", 0) > 0
-                ),
-                60,
-                "the prefill call under way with decode blocks reserved",
-            )
-            assert signal_pid(worker, signal.SIGKILL)
-            assert answer.result(timeout=120).choices[0].text == expected
-    finally:
-        signal_pid(worker, signal.SIGCONT)  # harmless once it is gone
-    counters = server.stats()["pools"]["decode"]["counters"]
-    assert counters.get("local_prefill_fallback", 0) > decode_before.get(
-        "local_prefill_fallback", 0
-    ), counters
-    wait_until(lambda: not server.busy_pools(), 60, "decode's reserved blocks back in its pool")
-    new_pid = wait_for_new_replica(APP, "prefill", {prefill_pid}, RESTART_TIMEOUT_S)
-    assert new_pid is not None, "Serve did not replace the prefill replica"
-    wait_until(
-        lambda: prefill_pid not in _tp_workers() and len(_tp_workers().get(new_pid, [])) == 1,
-        60,
-        "the old replica's worker gone, the new replica's one worker up",
-    )
-    # The new replica moves KV per rank again (decode may first prefill locally while its
-    # breaker on the old replica cools down).
-    done = threading.Event()
-
-    def remote_again() -> bool:
-        before = server.stats()["pools"]["decode"]["counters"].get("remote_prefill", 0)
-        out = server.openai().completions.create(
-            model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
-        )
-        assert out.choices[0].text == hf.complete(PROMPTS[0], MAX_TOKENS).text
-        if server.stats()["pools"]["decode"]["counters"].get("remote_prefill", 0) > before:
-            done.set()
-        return done.is_set()
-
-    wait_until(remote_again, 120, "a per-rank transfer from the new prefill replica")
-    wait_until(lambda: not server.busy_pools(), 30, "every block free after the request")
+    kill_prefill_rank_mid_transfer(server, hf, APP, MODEL, MAX_TOKENS, [prompt, PROMPTS[0]])

@@ -26,6 +26,7 @@ from kvtransfer.ranks import (
     GroupReceiver,
     GroupSender,
     RankHost,
+    RankLink,
     RankTransfer,
     open_group_receiver,
     open_group_sender,
@@ -54,7 +55,7 @@ def replica_spec() -> KVCacheSpec:
 def test_group_is_done_only_when_every_rank_is_and_releases_once() -> None:
     released: Counter[str] = Counter()
     table = GroupTable(2, lambda rid: released.update([rid]), release_on_done=True)
-    table.open("r")
+    table.open("r", WAIT_S)
     assert table.state("r") is TransferState.PENDING
     table.observe(0, "r", TransferState.DONE, None, settled=True)
     assert table.state("r") is TransferState.TRANSFERRING  # rank 1 may still write
@@ -70,22 +71,37 @@ def test_group_is_done_only_when_every_rank_is_and_releases_once() -> None:
 def test_one_failed_rank_fails_the_group_and_a_done_receiver_keeps_its_blocks() -> None:
     released: Counter[str] = Counter()
     receiver_side = GroupTable(2, lambda rid: released.update([rid]), release_on_done=False)
-    receiver_side.open("ok")
+    receiver_side.open("ok", WAIT_S)
     for rank in range(2):
         receiver_side.observe(rank, "ok", TransferState.DONE, None, settled=True)
     assert receiver_side.state("ok") is TransferState.DONE and not released  # decode keeps them
-    receiver_side.open("bad")
+    receiver_side.open("bad", WAIT_S)
     error = KVLayoutMismatchError({"x": (1, 2)})
     receiver_side.observe(1, "bad", TransferState.FAILED, error, settled=False)
     assert receiver_side.state("bad") is TransferState.FAILED  # known before rank 0 ends
     assert receiver_side.error("bad") is error
     assert receiver_side.wait("bad", 0.0) is TransferState.FAILED
+    assert receiver_side.silent_ranks(-WAIT_S) == {0}  # (as if far past its deadline)
     receiver_side.observe(0, "bad", TransferState.ABORTED, None, settled=True)
-    assert not released  # rank 1 is still fenced
-    receiver_side.settle_unheard(1, error)  # its process is gone: nothing can write
+    assert receiver_side.state("bad") is TransferState.FAILED  # the first end stands
+    assert receiver_side.error("bad") is error
+    assert not released  # rank 1 is still fenced, not silent: it ended its transfer
+    assert receiver_side.silent_ranks(-WAIT_S) == set()
+    receiver_side.settle_rank(1, error)  # its process is gone: nothing can write
     assert released == {"bad": 1}
-    with pytest.raises(ValueError, match="still open"):
-        receiver_side.open("bad2") or receiver_side.open("bad2")
+    with pytest.raises(ValueError, match="ended recently"):
+        receiver_side.open("bad", WAIT_S)  # a late event of it could not touch a new one
+
+
+def test_a_transfer_that_never_left_releases_nothing_and_gone_ranks_settle() -> None:
+    released: Counter[str] = Counter()
+    table = GroupTable(3, lambda rid: released.update([rid]), release_on_done=False)
+    table.open("r", WAIT_S, gone=[2])
+    assert table.state("r") is TransferState.FAILED
+    table.end_unsent("r", KVLayoutMismatchError({"x": (1, 2)}))
+    assert not released and table.counts() == {"num_open": 0, "num_fenced": 0}
+    table.observe(0, "r", TransferState.ABORTED, None, settled=True)  # late: ignored
+    assert not released
 
 
 # ---- shards -------------------------------------------------------------------------------
@@ -118,7 +134,9 @@ class Ranks:
     landed: list[KVCache]  # each decode rank's cache
     decode_released: Counter[str]
     prefill_released: Counter[str]
-    links: list[socket.socket]
+    links: list[RankLink]  # rank 0's ends: decode's, prefill's
+    hosts: list[RankHost]  # the workers' ends: decode's, prefill's
+    gone: list[threading.Event]  # set: that worker's process has exited
 
 
 def _pair(transfer: RankTransfer, rank: int, spec: KVCacheSpec, cache: KVCache | None):  # noqa: ANN202
@@ -127,7 +145,9 @@ def _pair(transfer: RankTransfer, rank: int, spec: KVCacheSpec, cache: KVCache |
     host, kv_cache, ready = transfer.open_host(
         rank, SIZE, Connection(theirs.detach()), spec, cache, torch.device("cpu")
     )
-    return transfer.link(rank, Connection(ours.detach())), host, kv_cache, ready, ours
+    gone = threading.Event()  # "the worker's process has exited": the test says when
+    link = transfer.link(rank, Connection(ours.detach()), exited=gone.is_set)
+    return link, host, kv_cache, ready, gone
 
 
 @pytest.fixture(params=["shm", "tcp"])
@@ -141,7 +161,7 @@ def ranks(request: pytest.FixtureRequest) -> Iterator[Ranks]:
         backend, spec, model_id=MODEL, options=OPTIONS, device="cpu", network=network
     )
     cache_1 = None if backend == "shm" else KVCache.allocate(shard_spec(spec, 1))
-    link_r, host_r, landed_1, ready, sock_r = _pair(recv_t, 1, shard_spec(spec, 1), cache_1)
+    link_r, host_r, landed_1, ready, gone_r = _pair(recv_t, 1, shard_spec(spec, 1), cache_1)
     receiver = GroupReceiver(
         own_r,
         [link_r],
@@ -156,7 +176,7 @@ def ranks(request: pytest.FixtureRequest) -> Iterator[Ranks]:
     source = [KVCache.allocate(shard_spec(spec, r)) for r in range(SIZE)]
     for cache in source:
         cache.flat.copy_(torch.randn(cache.flat.shape))
-    link_s, host_s, _, _, sock_s = _pair(send_t, 1, shard_spec(spec, 1), source[1])
+    link_s, host_s, _, _, gone_s = _pair(send_t, 1, shard_spec(spec, 1), source[1])
     sender = GroupSender(
         own_s,
         [link_s],
@@ -172,12 +192,16 @@ def ranks(request: pytest.FixtureRequest) -> Iterator[Ranks]:
         [own_r.kv_cache, landed_1],
         decode_released,
         prefill_released,
-        [sock_r, sock_s],
+        [link_r, link_s],
+        [host_r, host_s],
+        [gone_r, gone_s],
     )
     sender.close()
     receiver.close()
     host_s.close()
     host_r.close()
+    gone_s.set()  # the links' readers stop waiting for the "processes" to exit
+    gone_r.set()
 
 
 def _send_rank(ranks: Ranks, ticket: Ticket, rank: int, src_ids: tuple[int, ...]) -> None:
@@ -217,16 +241,22 @@ def test_every_rank_lands_its_own_shard(ranks: Ranks) -> None:
 
 
 def test_a_rank_lost_mid_transfer_fails_the_group_and_releases_once(ranks: Ranks) -> None:
+    """Prefill rank 1's control socket breaks mid-transfer while its process lives on: the
+    group fails, but its blocks stay held until the process has exited (it may still be
+    writing); then everything comes back exactly once."""
     ticket = ranks.receiver.open_ticket("r2", (1, 2), WAIT_S)
     ranks.sender.connect(ticket, WAIT_S)
     _send_rank(ranks, ticket, 0, (3, 4))
-    ranks.sender.finish(ticket)
-    ranks.links[1].close()  # prefill rank 1's control socket: its process is gone
-    state = ranks.sender.wait("r2", WAIT_S)
-    assert state is TransferState.FAILED, state
+    ranks.links[1].close()  # the control socket breaks; the worker's sender lives on
     ranks.receiver.abort("r2")  # decode, told the prefill call failed
-    assert ranks.receiver.wait("r2", WAIT_S) is not TransferState.DONE
+    assert ranks.receiver.wait("r2", WAIT_S) is TransferState.ABORTED
     _wait(lambda: ranks.decode_released == {"r2": 1}, "decode's blocks released once")
+    assert ranks.sender.wait("r2", WAIT_S) is not TransferState.DONE
+    assert ranks.links[1].lost is not None
+    assert "control link lost" in (ranks.sender.serving_problem() or "")
+    assert not ranks.prefill_released  # rank 1's process may still read its blocks
+    ranks.hosts[1].close()  # now it is gone, its endpoint with it
+    ranks.gone[1].set()
     _wait(lambda: ranks.prefill_released == {"r2": 1}, "prefill's blocks released once")
     assert ranks.receiver.transfer_counts()["num_open"] == 0
 
