@@ -19,7 +19,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_REMOTE_ATTEMPTS = 2  # the first try, then one retry (Serve may pick another replica)
+OPENER_THREADS = 8  # group tickets opened at once
 FENCE_MARGIN_S = 2.0  # on top of fence_timeout_s: the release's trip to the engine thread
 
 
@@ -102,6 +104,10 @@ class RemotePrefill:
         self.deadline_s = deadline_s
         self.fence_allowance_s = fence_allowance_s
         self.calls = calls
+        # Group tickets ask every rank (`GroupReceiver.open_ticket`, at most 10 s each): on
+        # threads of their own, so a stuck rank holds up ticket opens only, never the
+        # default executor the rest of the replica uses.
+        self._opener = ThreadPoolExecutor(OPENER_THREADS, thread_name_prefix="kv-open")
 
     async def run(
         self, spec: GenerationSpec, deadline: float, timeline: GenerationTrace
@@ -211,7 +217,8 @@ class RemotePrefill:
         cancelled = False
         try:
             if isinstance(self.receiver, GroupReceiver):  # asks every rank: off the loop
-                ticket, cancelled = await _run_to_end(asyncio.to_thread(open_ticket))
+                opening = asyncio.get_running_loop().run_in_executor(self._opener, open_ticket)
+                ticket, cancelled = await _run_to_end(opening)
             else:
                 ticket = open_ticket()
         except BaseException:
@@ -303,7 +310,7 @@ class RemotePrefill:
             return None, replica, True
 
 
-async def _run_to_end(work: Coroutine[Any, Any, T]) -> tuple[T, bool]:
+async def _run_to_end(work: Awaitable[T]) -> tuple[T, bool]:
     """`work`'s result, waiting for it even if this task is cancelled meanwhile, and whether
     it was (then the caller undoes what the work did). A cancelled task whose work failed
     raises CancelledError (from the work's error)."""
