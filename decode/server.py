@@ -131,6 +131,7 @@ class DecodeServer:
                     options=transfer_options,
                     device=engine_config.device,
                     network=network,
+                    release=lambda tid: self.reservations.on_release(tid),
                 )
                 kv_cache = ranks[0].kv_cache  # rank 0's shard; each worker lands its own
             else:
@@ -165,7 +166,6 @@ class DecodeServer:
                     workers.links,
                     workers.rank_endpoints,
                     KVLayout.from_spec(spec, model_id),
-                    lambda tid: self.reservations.on_release(tid),
                     ranks[2],
                 )
         except BaseException:  # the receiver's listener, threads and shared memory go too

@@ -127,10 +127,12 @@ class ModelRunner:
             logits = self._forward(model_input, layer_hook)
         else:
             # Per-rank KV transfer: each rank sends its own shard (`kvtransfer.ranks`).
-            per_rank = isinstance(layer_hook, RankSends)
-            sends = layer_hook.sends if isinstance(layer_hook, RankSends) else ()
+            hook: LayerHook | None
+            if isinstance(layer_hook, RankSends):
+                sends, hook = layer_hook.sends, layer_hook
+            else:
+                sends, hook = (), _per_rank(layer_hook, self.workers.tp.size)
             self.workers.start_step(_step_input(model_input, sends))
-            hook = layer_hook if per_rank else _per_rank(layer_hook, self.workers.tp.size)
             try:
                 logits = self._forward(model_input, hook)
             except BaseException:

@@ -91,6 +91,7 @@ class PrefillServer:
                 options=transfer_options,
                 device=engine_config.device,
                 source_host=source_host,
+                release=self._on_release,
             )
         replica = None
         self.sender: AnySender
@@ -105,9 +106,7 @@ class PrefillServer:
                 workers = replica.engine.workers
                 assert workers is not None
                 layout = KVLayout.from_spec(replica.engine.kv_spec, replica.model_id)
-                self.sender = GroupSender(
-                    ranks[0], workers.links, layout, self._on_release, ranks[2]
-                )
+                self.sender = GroupSender(ranks[0], workers.links, layout, ranks[2])
             else:
                 self.sender = create_kv_sender(
                     backend,

@@ -31,10 +31,10 @@ from kvtransfer.ranks.link import (
     NotSentError,
     RankLink,
     RankTransfer,
-    nothing,
+    open_rank_endpoint,
     result,
 )
-from kvtransfer.ranks.shards import rank_model_id, rank_ticket, shard_spec
+from kvtransfer.ranks.shards import rank_ticket, shard_spec
 from kvtransfer.receiver import Receiver
 from kvtransfer.sender import Sender
 
@@ -48,18 +48,17 @@ class _Ranks:
 
     own: Receiver | Sender
     links: Sequence[RankLink]
-    table: GroupTable = field(init=False)
+    table: GroupTable
     # per worker rank: (when last asked, the call in flight, its last answer)
     _health: dict[int, tuple[float, Future[Any] | None, str | None]] = field(default_factory=dict)
     _health_lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def attach(self, table: GroupTable) -> None:
-        self.table = table
-        for link in self.links:
-            link.on_event = _bind_rank(table, link.rank)
-            link.on_dead = _bind_dead(table, link.rank)
+    def __post_init__(self) -> None:
+        for link in self.links:  # rank 0's own endpoint was opened observing the table
+            link.on_event = _bind_rank(self.table, link.rank)
+            link.on_dead = _bind_dead(self.table, link.rank)
             if link.dead and link.lost is not None:
-                table.settle_rank(link.rank, link.lost)
+                self.table.settle_rank(link.rank, link.lost)
 
     def gone(self) -> list[int]:
         """Worker ranks whose process has exited."""
@@ -117,18 +116,12 @@ def _bind_dead(table: GroupTable, rank: int) -> Callable[[PeerLostError], None]:
     return lambda lost: table.settle_rank(rank, lost)
 
 
-def group_observer(
-    holder: list[GroupTable],
-) -> Callable[[str, TransferState, KVTransferError | None, bool], None]:
-    """Rank 0's own endpoint's `ObserveFn`, for a group table made after the endpoint."""
-    return lambda rid, state, error, settled: holder[0].observe(0, rid, state, error, settled)
-
-
 class _Group:
     """What both group endpoints answer from their group table."""
 
-    _table: GroupTable
-    _ranks: _Ranks
+    def __init__(self, own: Receiver | Sender, links: Sequence[RankLink], table: GroupTable):
+        self._table = table
+        self._ranks = _Ranks(own, links, table)
 
     def poll(self, request_id: str) -> TransferState:
         return self._table.state(request_id)
@@ -161,19 +154,15 @@ class GroupReceiver(_Group):
         links: Sequence[RankLink],
         rank_endpoints: Sequence[tuple[str, int]],
         layout: KVLayout,
-        release: ReleaseFn,
-        holder: list[GroupTable],
+        table: GroupTable,
     ) -> None:
-        """`own` was created with `observe=group_observer(holder)`; `rank_endpoints`: the
-        workers' receivers (endpoint, epoch), ranks 1..N-1; `layout`: the replica's."""
+        """`own` and `table` from `open_group_receiver`; `rank_endpoints`: the workers'
+        receivers (endpoint, epoch), ranks 1..N-1; `layout`: the replica's."""
+        super().__init__(own, links, table)
         self.own, self.layout, self.spec = own, layout, own.spec
         self.kv_cache, self.endpoint, self.epoch = own.kv_cache, own.endpoint, own.epoch
         self.backend = own.backend
         self._rank_endpoints = tuple(rank_endpoints)
-        self._table = GroupTable(layout.tensor_parallel_size, release, release_on_done=False)
-        holder.append(self._table)
-        self._ranks = _Ranks(own, links)
-        self._ranks.attach(self._table)
 
     def open_ticket(
         self,
@@ -245,15 +234,15 @@ class GroupSender(_Group):
         own: Sender,
         links: Sequence[RankLink],
         layout: KVLayout,
-        release: ReleaseFn,
-        holder: list[GroupTable],
+        table: GroupTable,
     ) -> None:
+        """`own` and `table` from `open_group_sender`; `layout`: the replica's."""
+        super().__init__(own, links, table)
         self.own, self.layout, self.spec, self.backend = own, layout, own.spec, own.backend
-        self._table = GroupTable(layout.tensor_parallel_size, release, release_on_done=True)
-        holder.append(self._table)
-        self._ranks = _Ranks(own, links)
-        self._ranks.attach(self._table)
         self._lock = threading.Lock()  # one of connect/abort registers an id
+        # Rank 0's own ticket of each transfer, from connect to finish or abort (its layers
+        # go with it: built once, not per layer).
+        self._own_tickets: dict[str, Ticket] = {}
 
     @property
     def closed(self) -> bool:
@@ -281,8 +270,9 @@ class GroupSender(_Group):
             link.call_async("connect", rank_ticket(ticket, link.rank), timeout_s) for link in links
         ]
         failure = self._table.error(rid)  # a rank already gone
+        own = self._own_tickets[rid] = rank_ticket(ticket, 0)
         try:
-            self.own.connect(rank_ticket(ticket, 0), timeout_s)
+            self.own.connect(own, timeout_s)
         except KVTransferError as exc:
             failure = failure or exc
         for link, call in zip(links, calls, strict=True):
@@ -295,6 +285,7 @@ class GroupSender(_Group):
                 unheard = link.dead or isinstance(exc, NotSentError)
                 self._table.observe(link.rank, rid, TransferState.FAILED, exc, unheard)
         if failure is not None:
+            self._own_tickets.pop(rid, None)
             self._ranks.abort(rid)
             raise failure
         return None
@@ -312,11 +303,14 @@ class GroupSender(_Group):
         v_cache: torch.Tensor,
         src_block_ids: BlockIds,
     ) -> None:
-        """Rank 0's own shard of `layer` (the workers send theirs: `RankSends`)."""
-        self.own.send_layer(rank_ticket(ticket, 0), layer, k_cache, v_cache, src_block_ids)
+        """Rank 0's own shard of `layer` (the workers send theirs: `RankSends`); nothing
+        once the transfer was finished or aborted here."""
+        if (own := self._own_tickets.get(ticket.request_id)) is not None:
+            self.own.send_layer(own, layer, k_cache, v_cache, src_block_ids)
 
     def finish(self, ticket: Ticket) -> None:
-        self.own.finish(rank_ticket(ticket, 0))
+        if (own := self._own_tickets.pop(ticket.request_id, None)) is not None:
+            self.own.finish(own)
         for link in self._ranks.links:
             link.cast("finish", ticket.request_id)
 
@@ -329,6 +323,7 @@ class GroupSender(_Group):
                 aborted = TransferAbortedError("aborted by prefill")
                 self._table.end_unsent(request_id, aborted, release=True)
                 return
+        self._own_tickets.pop(request_id, None)
         self._ranks.abort(request_id)
 
     def warm(self, endpoint: str, timeout_s: float) -> None:
@@ -344,26 +339,12 @@ def open_group_receiver(
     options: TransferOptions,
     device: str,
     network: dict[str, Any],
-) -> tuple[Receiver, RankTransfer, list[GroupTable]]:
+    release: ReleaseFn,
+) -> tuple[Receiver, RankTransfer, GroupTable]:
     """Decode rank 0 of a replica of `spec` (replica-wide) with per-rank endpoints: its own
     receiver (its cache is rank 0's shard: give it to the engine), what the workers open
-    (`Engine(rank_endpoints=...)`), and the holder `GroupReceiver` takes."""
-    from kvtransfer import create_receiver
-
-    size, holder = spec.tensor_parallel_size, list[GroupTable]()
-    own_spec = shard_spec(spec, 0)
-    kv_cache = None if backend == "shm" else KVCache.allocate(own_spec, device)
-    own = create_receiver(
-        backend,
-        own_spec,
-        kv_cache,
-        model_id=rank_model_id(model_id, 0, size),
-        release=nothing,
-        options=options,
-        device=device if backend in ("nccl", "cuda_ipc") else None,
-        observe=group_observer(holder),
-        **network,
-    )
+    (`Engine(rank_endpoints=...)`), and the group table (`release`: the group's) that
+    `GroupReceiver` takes."""
     transfer = RankTransfer(
         "receive",
         backend,
@@ -372,7 +353,12 @@ def open_group_receiver(
         listen_host=network.get("host", "127.0.0.1"),
         advertise_host=network.get("advertise_host"),
     )
-    return own, transfer, holder
+    table = GroupTable(spec.tensor_parallel_size, release, release_on_done=False)
+    own_spec = shard_spec(spec, 0)
+    kv_cache = None if transfer.lands_in_shared_memory else KVCache.allocate(own_spec, device)
+    own = _open_own(transfer, own_spec, spec.tensor_parallel_size, kv_cache, device, table)
+    assert isinstance(own, Receiver)
+    return own, transfer, table
 
 
 def open_group_sender(
@@ -383,24 +369,29 @@ def open_group_sender(
     options: TransferOptions,
     device: str,
     source_host: str | None,
-) -> tuple[Sender, RankTransfer, list[GroupTable]]:
+    release: ReleaseFn,
+) -> tuple[Sender, RankTransfer, GroupTable]:
     """Prefill rank 0's own sender (over rank 0's shard), what the workers open, and the
-    holder `GroupSender` takes."""
-    from kvtransfer import create_sender
-
-    size, holder = spec.tensor_parallel_size, list[GroupTable]()
-    own = create_sender(
-        backend,
-        shard_spec(spec, 0),
-        model_id=rank_model_id(model_id, 0, size),
-        release=nothing,
-        options=options,
-        host=source_host if backend == "tcp" else None,
-        device=device if backend in ("nccl", "cuda_ipc") else None,
-        observe=group_observer(holder),
-    )
+    group table (`release`: the group's) that `GroupSender` takes."""
     transfer = RankTransfer("send", backend, model_id, options, source_host=source_host)
-    return own, transfer, holder
+    table = GroupTable(spec.tensor_parallel_size, release, release_on_done=True)
+    own_spec = shard_spec(spec, 0)
+    own = _open_own(transfer, own_spec, spec.tensor_parallel_size, None, device, table)
+    assert isinstance(own, Sender)
+    return own, transfer, table
+
+
+def _open_own(
+    transfer: RankTransfer,
+    spec: KVCacheSpec,
+    size: int,
+    kv_cache: KVCache | None,
+    device: str,
+    table: GroupTable,
+) -> Receiver | Sender:
+    """Rank 0's own endpoint, opened as the workers open theirs, reporting to `table`."""
+    observe = _bind_rank(table, 0)
+    return open_rank_endpoint(transfer, spec, 0, size, kv_cache, torch.device(device), observe)
 
 
 # What a replica's server holds: one endpoint, or rank 0's group of per-rank endpoints.

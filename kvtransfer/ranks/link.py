@@ -123,9 +123,6 @@ class RankLink:
             future.set_exception(not_sent)
         return future
 
-    def call(self, op: str, *args: object, timeout_s: float = CALL_TIMEOUT_S) -> Any:
-        return result(self.call_async(op, *args), timeout_s, self.rank)
-
     def cast(self, op: str, *args: object) -> None:
         """A call whose answer nobody waits for (abort, finish)."""
         self._send(("cast", -1, op, args))
@@ -308,10 +305,6 @@ class RankHost:
         assert isinstance(self.endpoint, Receiver)
         self.endpoint.open_ticket(request_id, block_ids, deadline_s, num_cached)
 
-    def _op_counts(self) -> dict[str, int]:
-        assert isinstance(self.endpoint, Receiver)
-        return self.endpoint.transfer_counts()
-
     # send
     def _op_connect(self, ticket: Ticket, timeout_s: float) -> None:
         assert isinstance(self.endpoint, Sender)
@@ -343,15 +336,16 @@ class RankHost:
 
 def open_rank_endpoint(
     transfer: RankTransfer,
-    spec: Any,
+    spec: KVCacheSpec,
     rank: int,
     size: int,
-    kv_cache: Any,
-    device: Any,
+    kv_cache: KVCache | None,
+    device: torch.device,
     observe: ObserveFn,
 ) -> Receiver | Sender:
-    """Worker rank `rank`'s own endpoint over its shard (`spec`: the shard's); releases
-    nothing itself (the blocks belong to rank 0's pool: the group releases them)."""
+    """Rank `rank`'s own endpoint over its shard (`spec`: the shard's), in a worker or
+    in rank 0; releases nothing itself (the blocks belong to rank 0's pool: the group
+    releases them)."""
     from kvtransfer import create_receiver, create_sender
 
     model_id = rank_model_id(transfer.model_id, rank, size)
@@ -364,7 +358,7 @@ def open_rank_endpoint(
             spec,
             kv_cache,
             model_id=model_id,
-            release=nothing,
+            release=_nothing,
             options=transfer.options,
             device=device if transfer.backend in ("nccl", "cuda_ipc") else None,
             observe=observe,
@@ -374,7 +368,7 @@ def open_rank_endpoint(
         transfer.backend,
         spec,
         model_id=model_id,
-        release=nothing,
+        release=_nothing,
         options=transfer.options,
         host=transfer.source_host if transfer.backend == "tcp" else None,
         device=device if transfer.backend in ("nccl", "cuda_ipc") else None,
@@ -382,5 +376,5 @@ def open_rank_endpoint(
     )
 
 
-def nothing(_: str) -> None:
+def _nothing(_: str) -> None:
     pass

@@ -157,33 +157,32 @@ def ranks(request: pytest.FixtureRequest) -> Iterator[Ranks]:
     network = {"host": "127.0.0.1"} if backend == "tcp" else {}
     decode_released: Counter[str] = Counter()
     prefill_released: Counter[str] = Counter()
-    own_r, recv_t, holder_r = open_group_receiver(
-        backend, spec, model_id=MODEL, options=OPTIONS, device="cpu", network=network
+    own_r, recv_t, table_r = open_group_receiver(
+        backend,
+        spec,
+        model_id=MODEL,
+        options=OPTIONS,
+        device="cpu",
+        network=network,
+        release=lambda rid: decode_released.update([rid]),
     )
     cache_1 = None if backend == "shm" else KVCache.allocate(shard_spec(spec, 1))
     link_r, host_r, landed_1, ready, gone_r = _pair(recv_t, 1, shard_spec(spec, 1), cache_1)
-    receiver = GroupReceiver(
-        own_r,
-        [link_r],
-        [ready],
-        KVLayout.from_spec(spec, MODEL),
-        lambda rid: decode_released.update([rid]),
-        holder_r,
-    )
-    own_s, send_t, holder_s = open_group_sender(
-        backend, spec, model_id=MODEL, options=OPTIONS, device="cpu", source_host=None
+    receiver = GroupReceiver(own_r, [link_r], [ready], KVLayout.from_spec(spec, MODEL), table_r)
+    own_s, send_t, table_s = open_group_sender(
+        backend,
+        spec,
+        model_id=MODEL,
+        options=OPTIONS,
+        device="cpu",
+        source_host=None,
+        release=lambda rid: prefill_released.update([rid]),
     )
     source = [KVCache.allocate(shard_spec(spec, r)) for r in range(SIZE)]
     for cache in source:
         cache.flat.copy_(torch.randn(cache.flat.shape))
     link_s, host_s, _, _, gone_s = _pair(send_t, 1, shard_spec(spec, 1), source[1])
-    sender = GroupSender(
-        own_s,
-        [link_s],
-        KVLayout.from_spec(spec, MODEL),
-        lambda rid: prefill_released.update([rid]),
-        holder_s,
-    )
+    sender = GroupSender(own_s, [link_s], KVLayout.from_spec(spec, MODEL), table_s)
     yield Ranks(
         receiver,
         sender,
