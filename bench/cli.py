@@ -33,6 +33,9 @@ BENCHES: dict[str, Bench] = {
     "overload": Bench("bench.overload.main", "classes at 3x the goodput, admission on vs off"),
     "serve": Bench("bench.serve.loadgen", "one run at one rate against an OpenAI endpoint"),
     "summary": Bench("bench.compare.summary", "the config x workload table of compare files"),
+    "tp-handoff": Bench(
+        "bench.offline.tp_handoff", "first token through TP replicas, per way KV moves"
+    ),
     "tpot": Bench("bench.offline.tpot", "decode time per token, CUDA graphs on and off"),
     "transfer": Bench("bench.offline.transfer", "KV transfer between two processes"),
 }
