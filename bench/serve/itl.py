@@ -51,6 +51,7 @@ def http_itl_ms(
     from ray import serve
 
     from app.main import DEFAULT_ARGS, build_app
+    from bench.serve.deploy import start_serve
 
     args: dict[str, Any] = {
         **DEFAULT_ARGS,
@@ -59,7 +60,7 @@ def http_itl_ms(
     }
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        start_serve(port)
         serve.run(build_app(args), name="pdserve", route_prefix="/")
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         name = client.models.list().data[0].id

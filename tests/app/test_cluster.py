@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from app.config import PDServeConfig, PoolConfig, load_config
+from app.serve.cadence import SERVE_ENV_VARS
 
 ROOT = Path(__file__).resolve().parents[2]
 GPUS_PER_P5E = 8
@@ -112,3 +113,12 @@ def test_each_replica_fits_on_one_node(cluster: dict[str, Any], h200: PDServeCon
         assert any(
             all(node["resources"].get(k, 0) >= v for k, v in need.items()) for node in nodes
         ), f"a replica of pool {pool.name} ({need}) fits on no worker node"
+
+
+def test_ray_starts_at_the_apps_serve_cadence(cluster: dict[str, Any]) -> None:
+    """Every node's Ray runs Serve's processes with `app/serve/cadence.py`'s values (an app
+    deployed by `serve run app.main:app` on the cluster starts its controller from there)."""
+    exports = " ".join(f"{name}={value}" for name, value in SERVE_ENV_VARS.items())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in cluster[key] if "ray start" in c]
+        assert f"export {exports};" in start, start

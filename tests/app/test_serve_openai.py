@@ -768,3 +768,33 @@ def test_handle_generate_finds_the_app_by_its_ingress(server: Server, hf: HFGree
     ref = hf.complete(PROMPTS[0], MAX_TOKENS)
     assert [t for chunk in chunks for t in chunk.token_ids] == ref.output_ids
     assert chunks[-1].finished and not any(chunk.finished for chunk in chunks[:-1])
+
+
+def _serve_process_environs() -> dict[str, list[dict[str, str]]]:
+    """The environment of each live Serve process on this machine, by kind (its title)."""
+    kinds = ("ray::ServeController", "ray::ProxyActor", "ray::ServeReplica:pdserve:")
+    found: dict[str, list[dict[str, str]]] = {kind: [] for kind in kinds}
+    for proc in Path("/proc").iterdir():
+        try:
+            title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            raw = (proc / "environ").read_bytes()
+        except OSError:  # not a process, or gone meanwhile
+            continue
+        kind = next((k for k in kinds if title.startswith(k)), None)
+        if kind is not None:
+            pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+            found[kind].append({k.decode(): v.decode(errors="replace") for k, v in pairs})
+    return found
+
+
+def test_serve_processes_run_at_the_apps_cadence(server: Server) -> None:
+    """Serve's controller, its HTTP proxy and every replica of the app (prefill, decode,
+    ingress) wake at `app/serve/cadence.py`'s intervals, not Serve's 0.1 s defaults."""
+    from app.serve.cadence import SERVE_ENV_VARS
+
+    environs = _serve_process_environs()
+    for kind, processes in environs.items():
+        assert processes, f"no {kind} process found"
+        for environ in processes:
+            assert {k: environ.get(k) for k in SERVE_ENV_VARS} == SERVE_ENV_VARS, kind
+    assert len(environs["ray::ServeReplica:pdserve:"]) >= 3  # prefill, decode, ingress

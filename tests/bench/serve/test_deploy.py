@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.serve.cadence import serve_env_vars
 from bench.serve.deploy import app_args, running_app, start_serve
 
 
@@ -46,7 +47,8 @@ def test_start_serve_connects_when_serve_replaced_its_first_proxy(
     ports: list[int] = []
     first_error: ActorDiedError = ProxyReplaced()
 
-    def start(http_options: dict[str, object]) -> None:
+    def start(http_options: dict[str, object], controller_options: dict[str, object]) -> None:
+        assert controller_options == {"runtime_env": {"env_vars": serve_env_vars()}}
         ports.append(int(str(http_options["port"])))
         if len(ports) == 1:
             raise first_error
