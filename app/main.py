@@ -162,17 +162,12 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     )
     quotas = tenant_quotas(config.tenants)
     # Every ingress replica draws on this one replica's state (app/admission/quota_service.py).
+    quota_options = {
+        **QUOTA_SERVICE_OPTIONS,
+        "ray_actor_options": with_serve_env(QUOTA_SERVICE_OPTIONS["ray_actor_options"]),
+    }
     quota_service = (
-        _deployment(QuotaService)
-        .options(
-            **{
-                **QUOTA_SERVICE_OPTIONS,
-                "ray_actor_options": with_serve_env(QUOTA_SERVICE_OPTIONS["ray_actor_options"]),
-            }
-        )
-        .bind(quotas)
-        if quotas
-        else None
+        _deployment(QuotaService).options(**quota_options).bind(quotas) if quotas else None
     )
     return ingress.bind(
         config.model_dump(mode="json"), decode, prefill, quota_service=quota_service

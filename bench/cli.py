@@ -28,6 +28,7 @@ BENCHES: dict[str, Bench] = {
     "compare": Bench("bench.compare.main", "goodput of several configs, with intervals"),
     "engine": Bench("bench.offline.throughput", "the engine vs transformers and the roofline"),
     "goodput": Bench("bench.goodput.sweep", "the highest rate a server sustains within SLOs"),
+    "idle-cost": Bench("bench.batch.idle_cost", "what an idle app costs the engine beside it"),
     "itl": Bench("bench.serve.itl", "batch-1 inter-token latency: HTTP vs the bare engine"),
     "multiturn": Bench("bench.multiturn.main", "conversations resending their history, per config"),
     "overload": Bench("bench.overload.main", "classes at 3x the goodput, admission on vs off"),

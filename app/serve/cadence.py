@@ -2,12 +2,12 @@
 
 Serve's defaults wake its controller every 0.1 s (`RAY_SERVE_CONTROL_LOOP_INTERVAL_S`) and
 every handle's router every 0.1 s to export its request metrics
-(`RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`). On a few cores shared with the engine that is not
-free: with the engine's threads working in lockstep, every wake-up that takes a core from
-one of them stalls the others. Measured on the 2-core CI kind (`configs/cpu-tenants.yaml`,
-`small`, BENCHMARKS.md "Batch jobs"): the idle app used 4.3 CPU-s per 20 s with Serve's
-defaults and 2.6 with these; one engine generating offline beside the idle app made 211-214
-tok/s with the defaults and 244-246 with these (264 alone).
+(`RAY_SERVE_METRICS_EXPORT_INTERVAL_MS`). On a few cores shared with the engine that is CPU
+the engine's threads could use. Measured on the 2-core CI kind (`pdserve bench idle-cost
+--config cpu-tenants --model small`, BENCHMARKS.md "Batch jobs"): every process on the
+machine took 4.9 CPU-s per 20 s of an idle app with Serve's defaults and 3.7 with these.
+What that buys the engine beside the app is below this host's run-to-run spread: the
+offline engine beside the idle app made 214 and 220 tok/s, an idle batch job 204 and 189.
 
 What slows down: the controller notices a state change (a replica that started or died, an
 autoscaling decision) up to 0.5 s later instead of 0.1 s, and Serve's own `ray_serve_*`

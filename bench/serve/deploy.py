@@ -126,22 +126,22 @@ def start_serve(port: int | None = None, attempts: int = 3) -> int:
 
     from app.serve.cadence import controller_options
 
+    def start(at: int) -> None:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": at},
+            controller_options=controller_options(),  # Serve's cadence: app/serve/cadence.py
+        )
+
     chosen = free_port() if port is None else port
     for attempt in range(1, attempts + 1):
         try:
-            serve.start(
-                http_options={"host": "127.0.0.1", "port": chosen},
-                controller_options=controller_options(),
-            )
+            start(chosen)
             return chosen
         except ActorDiedError as exc:
             if "ProxyActor" not in str(exc):
                 raise
             logger.warning("Serve replaced its first HTTP proxy while starting; connecting")
-            serve.start(
-                http_options={"host": "127.0.0.1", "port": chosen},
-                controller_options=controller_options(),
-            )
+            start(chosen)
             return chosen
         except Exception as exc:  # noqa: BLE001 - only the bind race is retried
             if port is not None or "Failed to bind" not in str(exc) or attempt == attempts:
