@@ -24,7 +24,7 @@ from app.observability.replica_metrics import replica_metrics_factory
 from app.observability.tracing import check_exporter, configure_tracing
 from app.routing.fallback import check_fallback_model
 from app.serve.apps import INGRESS_DEPLOYMENT
-from app.serve.cadence import set_defaults, with_serve_env
+from app.serve.cadence import set_defaults
 from app.serve.calls import SERVE_CALLS
 from decode.server import DecodeServer
 from kvtransfer import TransferOptions
@@ -58,10 +58,8 @@ def _deployment(cls: type) -> Any:
 
 
 def _options(pool: PoolConfig) -> dict[str, Any]:
-    options = pool.serve_options()
     return {
-        **options,
-        "ray_actor_options": with_serve_env(options["ray_actor_options"]),
+        **pool.serve_options(),
         "request_router_config": ROUTER_CONFIG,
         "health_check_period_s": 5,
     }
@@ -152,7 +150,7 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     ingress = _deployment(Ingress).options(
         name=INGRESS_DEPLOYMENT,  # how the handle API tells pdserve from other apps
         num_replicas=config.ingress.num_replicas,
-        ray_actor_options=with_serve_env({"num_cpus": config.ingress.num_cpus}),
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
         max_ongoing_requests=1000,
         # Past this many HTTP requests queued for an ingress replica, Serve's proxy answers 503.
         max_queued_requests=INGRESS_MAX_QUEUED_REQUESTS,
@@ -162,12 +160,8 @@ def build_app(args: dict[str, Any] | PDServeConfig | None = None) -> serve.Appli
     )
     quotas = tenant_quotas(config.tenants)
     # Every ingress replica draws on this one replica's state (app/admission/quota_service.py).
-    quota_options = {
-        **QUOTA_SERVICE_OPTIONS,
-        "ray_actor_options": with_serve_env(QUOTA_SERVICE_OPTIONS["ray_actor_options"]),
-    }
     quota_service = (
-        _deployment(QuotaService).options(**quota_options).bind(quotas) if quotas else None
+        _deployment(QuotaService).options(**QUOTA_SERVICE_OPTIONS).bind(quotas) if quotas else None
     )
     return ingress.bind(
         config.model_dump(mode="json"), decode, prefill, quota_service=quota_service

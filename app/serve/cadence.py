@@ -14,13 +14,23 @@ autoscaling decision) up to 0.5 s later instead of 0.1 s, and Serve's own `ray_s
 request metrics are exported once a second. Requests never go through the controller, and
 routing stats are still pulled every `request_routing_stats_period_s` (1 s, `app/main.py`).
 
-Each value is a default: one the environment already sets wins. They reach
+They reach Serve's processes through the environment Ray starts them in, except where a
+config file writes them:
 
-- the replicas: every deployment's `runtime_env.env_vars` (`with_serve_env`);
-- the controller and the HTTP proxies it starts: `controller_options()` where this
-  project's code starts Serve, the `controller_options` block of `configs/*.yaml`;
-- a cluster `serve run app.main:app` starts on this machine: the environment, set when
-  `app.main` is imported (`set_defaults`), before `serve run` starts Ray.
+- `serve run app.main:app` on this machine: `app.main` sets them in its process's
+  environment when imported (`set_defaults`: a value already set wins), before `serve run`
+  starts Ray, whose every process inherits them; so does any driver that imports `app.main`
+  before `ray.init`, as the tests and benchmarks do;
+- the controller and its HTTP proxies: also `controller_options()` where this project's
+  code starts Serve (`bench.serve.deploy.start_serve`);
+- `serve run configs/<name>.yaml`: the file's `controller_options` block and its
+  application's `runtime_env` (the replicas); edit both to change them;
+- a cluster: `cluster.yaml` exports them before `ray start` on every node.
+
+Deployments carry no `runtime_env` of their own in `app.main`: one would make Serve drop
+the job's (`serve run --runtime-env-json`, a driver's `ray.init(runtime_env=...)`) for
+them, all but its `working_dir`, and the replicas would lose the variables a user put there
+(`api_keys_env`, `PDSERVE_BF16_GEMM`).
 """
 
 from __future__ import annotations
@@ -47,14 +57,6 @@ def set_defaults(environ: MutableMapping[str, str] | None = None) -> None:
     environ = os.environ if environ is None else environ
     for name, value in SERVE_ENV_VARS.items():
         environ.setdefault(name, value)
-
-
-def with_serve_env(ray_actor_options: Mapping[str, Any]) -> dict[str, Any]:
-    """`ray_actor_options` with `serve_env_vars()` added to its `runtime_env.env_vars`
-    (variables it already sets are kept)."""
-    runtime_env = dict(ray_actor_options.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**serve_env_vars(), **(runtime_env.get("env_vars") or {})}
-    return {**ray_actor_options, "runtime_env": runtime_env}
 
 
 def controller_options() -> dict[str, Any]:

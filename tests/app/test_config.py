@@ -22,7 +22,6 @@ from app.config import (
     load_config,
 )
 from app.routing.pool_router import RouterPolicy
-from app.serve.apps import INGRESS_DEPLOYMENT
 from app.serve.cadence import SERVE_ENV_VARS
 from engine.builtin import resolve_model_dir
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -369,6 +368,7 @@ def test_config_files_are_valid_serve_configs(path: Path) -> None:
     # Serve's controller and proxies run at the cadence the replicas get (app/serve/cadence.py)
     assert schema.controller_options is not None
     assert schema.controller_options.runtime_env == {"env_vars": SERVE_ENV_VARS}
+    assert app.runtime_env == {"env_vars": SERVE_ENV_VARS}  # the replicas'
 
 
 def test_expected_config_files_exist() -> None:
@@ -537,32 +537,3 @@ def test_random_weights_for_speed_runs_reach_every_pool() -> None:
     data["model"]["load_format"] = "random"
     with pytest.raises(ValidationError, match="load_format"):
         load_config(data)
-
-
-def _deployments(node: object) -> list[Any]:
-    """Every deployment an application binds, itself and those in its args, depth first."""
-    from ray.serve.deployment import Application
-
-    if isinstance(node, Application):
-        deployment = node._bound_deployment
-        children = [*deployment.init_args, *deployment.init_kwargs.values()]
-        return [deployment, *(d for child in children for d in _deployments(child))]
-    if isinstance(node, dict):
-        return [d for child in node.values() for d in _deployments(child)]
-    if isinstance(node, (list, tuple)):
-        return [d for child in node for d in _deployments(child)]
-    return []
-
-
-def test_every_deployment_runs_at_the_apps_serve_cadence() -> None:
-    """Each replica's runtime_env carries `app/serve/cadence.py`'s variables, whoever starts
-    Serve: a controller started without them does not pass them on to the replicas."""
-    from app.main import build_app
-
-    args = _edit(lambda c: c["tenants"][0].update(max_concurrent_requests=2))  # a quota service
-    deployments = _deployments(build_app(args))
-    names = {d.name for d in deployments}  # prefill pools are bound to decode and ingress
-    assert names == {INGRESS_DEPLOYMENT, "decode", "short", "long", "quota_service"}
-    for deployment in deployments:
-        env_vars = deployment.ray_actor_options["runtime_env"]["env_vars"]
-        assert env_vars == SERVE_ENV_VARS, deployment.name

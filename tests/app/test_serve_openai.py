@@ -789,12 +789,15 @@ def _serve_process_environs() -> dict[str, list[dict[str, str]]]:
 
 def test_serve_processes_run_at_the_apps_cadence(server: Server) -> None:
     """Serve's controller, its HTTP proxy and every replica of the app (prefill, decode,
-    ingress) wake at `app/serve/cadence.py`'s intervals, not Serve's 0.1 s defaults."""
-    from app.serve.cadence import SERVE_ENV_VARS
+    ingress) wake at `app/serve/cadence.py`'s intervals (or those this environment sets),
+    not Serve's 0.1 s defaults: the replicas through the environment `app.main` set before
+    Ray started, the controller and proxy also through `controller_options`."""
+    from app.serve.cadence import serve_env_vars
 
+    wanted = serve_env_vars()
     environs = _serve_process_environs()
     for kind, processes in environs.items():
         assert processes, f"no {kind} process found"
         for environ in processes:
-            assert {k: environ.get(k) for k in SERVE_ENV_VARS} == SERVE_ENV_VARS, kind
+            assert {k: environ.get(k) for k in wanted} == wanted, kind
     assert len(environs["ray::ServeReplica:pdserve:"]) >= 3  # prefill, decode, ingress
