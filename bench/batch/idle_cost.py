@@ -33,9 +33,8 @@ from typing import Any
 
 from bench.batch.jobs import JobShape, offline_tok_s, with_threads
 from bench.batch.main import plan_args, wait_idle
+from bench.overload.cost import cpu_seconds
 from bench.serve.deploy import add_app_arguments, running_app
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu_s() -> dict[int, tuple[str, float]]:
@@ -46,13 +45,9 @@ def process_cpu_s() -> dict[int, tuple[str, float]]:
             continue
         try:
             argv0 = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            found[int(entry.name)] = (process_name(argv0), cpu_seconds(int(entry.name)))
         except OSError:  # gone meanwhile
             continue
-        found[int(entry.name)] = (
-            process_name(argv0),
-            (int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
-        )
     return found
 
 
