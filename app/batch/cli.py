@@ -25,16 +25,30 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 BAR_WIDTH = 30
 
 
-def build_parser(prog: str = "pdserve batch") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the service's base URL")
+def _service_arguments(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """`--url` and `--api-key`, on the command (with their defaults) and on each action
+    (without: given after the action, as in `pdserve batch submit in.jsonl --url ...`, they
+    replace the command's; left out there, the command's stay)."""
+    url, key = "http://127.0.0.1:8000", os.environ.get("OPENAI_API_KEY", "none")
+    parser.add_argument(
+        "--url", default=url if defaults else argparse.SUPPRESS, help="the service's base URL"
+    )
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY", "none"),
+        default=key if defaults else argparse.SUPPRESS,
         help="the tenant's key (default: $OPENAI_API_KEY)",
     )
+
+
+def build_parser(prog: str = "pdserve batch") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    _service_arguments(parser, defaults=True)
+    service = argparse.ArgumentParser(add_help=False)
+    _service_arguments(service, defaults=False)
     sub = parser.add_subparsers(dest="action", required=True)
-    submit = sub.add_parser("submit", help="upload a JSONL file and create a batch over it")
+    submit = sub.add_parser(
+        "submit", parents=[service], help="upload a JSONL file and create a batch over it"
+    )
     submit.add_argument("input", type=Path, help="one request per line (OpenAI batch format)")
     submit.add_argument(
         "--endpoint",
@@ -48,7 +62,7 @@ def build_parser(prog: str = "pdserve batch") -> argparse.ArgumentParser:
     submit.add_argument("--poll-s", type=float, default=1.0, help="seconds between polls")
     submit.add_argument("--json", action="store_true", help="print the final batch object")
     for name, help_text in (("status", "show a batch"), ("cancel", "cancel a batch")):
-        action = sub.add_parser(name, help=help_text)
+        action = sub.add_parser(name, parents=[service], help=help_text)
         action.add_argument("batch_id")
     return parser
 

@@ -215,7 +215,8 @@ def test_cli_submit_waits_and_writes_the_output(
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl("/v1/completions", [completion_body(i) for i in range(4)]))
     out = tmp_path / "out.jsonl"
-    argv = ["--url", server.base_url, "--api-key", ACME, "submit", str(source), "--wait"]
+    # As README writes it: the service's options after the action.
+    argv = ["submit", str(source), "--url", server.base_url, "--api-key", ACME, "--wait"]
     assert main([*argv, "--out", str(out), "--poll-s", "0.2", "--json"]) == 0
     captured = capsys.readouterr()
     batch = json.loads(captured.out)
