@@ -90,7 +90,7 @@ async def run_job(
     api_key: str,
     shape: JobShape,
     model: str,
-    poll_s: float = 0.25,
+    poll_s: float = 1.0,
     timeout_s: float = 1800.0,
     run: JobRun | None = None,
 ) -> JobRun:
