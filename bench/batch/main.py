@@ -23,12 +23,15 @@ throughput, then beside interactive load against that load alone.
 
     pdserve bench batch --config cpu-tenants --json out.json
 
-runs the built-in `small` model unless `--model` says otherwise, as the other serving
-benchmarks do: on `tiny` the engine computes the whole default job in ~0.5 s on 2 cores,
-less than a durable job's own latency (claiming its lease, writing its results and
-files, the client's polls), so the ratio there measures that latency, not throughput.
-The job is polled once a second (`pdserve batch submit --wait`'s pace): a poll is an HTTP
-request through the proxy and the ingress, CPU the job's engine would otherwise have.
+runs the config's model, except that a config serving the built-in `tiny` (the quick
+start's model, as `cpu-tenants` does) runs the built-in `small` unless `--model` says so:
+on `tiny` the engine computes the whole default job in ~0.5 s on 2 cores, less than a
+durable job's own latency (claiming its lease, writing its results and files, the
+client's polls), so the ratio there measures that latency, not throughput.
+The job is polled once a second (`pdserve batch submit --wait`'s pace; `job.poll_s` in
+the JSON): a poll is an HTTP request through the proxy and the ingress, CPU the job's
+engine would otherwise have, and `job_tok_s`'s wall time ends at the poll that sees the
+job completed (up to a second late).
 
 It writes the JSON (every figure, the job timelines, the interactive records) and `out.png`
 beside it (job throughput over time, the interactive load marked); the last stdout line is
@@ -55,6 +58,7 @@ import httpx
 import numpy as np
 
 from bench.batch.jobs import (
+    POLL_S,
     JobRun,
     JobShape,
     interactive_capacity,
@@ -71,9 +75,18 @@ from bench.serve.workloads import FixedWorkload, make_prompt, schedule
 JOB_TENANT = "bench-batch"
 
 
+def job_model(config: str, model: str | None) -> str | None:
+    """The model the bench runs: `model` when given; else `small` where `config` serves
+    the built-in `tiny` (module docstring), else None (the config's own)."""
+    if model is not None:
+        return model
+    return "small" if app_args(config)["model"].get("model") == "tiny" else None
+
+
 def plan_args(options: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The app's args (with the job's tenant and a fresh store) and who sends what."""
-    args = app_args(options.config, options.model, options.dtype, free_port())
+    model = job_model(options.config, options.model)
+    args = app_args(options.config, model, options.dtype, free_port())
     classes = {c["name"]: c for c in (args.get("admission") or {}).get("classes", [])}
     if options.batch_class not in classes or options.interactive_class not in classes:
         raise SystemExit(
@@ -157,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    add_app_arguments(parser, "cpu-tenants", default_model="small")
+    add_app_arguments(parser, "cpu-tenants")
     parser.add_argument("--requests", type=int, default=256, help="lines of the job")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -205,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "num_requests": shape.num_requests,
             "prompt_tokens": shape.prompt_tokens,
             "max_tokens": shape.max_tokens,
+            "poll_s": POLL_S,
         },
         "offline": offline,
         "load_average_before": _loadavg(),

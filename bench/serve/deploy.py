@@ -96,17 +96,11 @@ def app_args(
     return args
 
 
-def add_app_arguments(
-    parser: argparse.ArgumentParser, default_config: str, default_model: str | None = None
-) -> None:
+def add_app_arguments(parser: argparse.ArgumentParser, default_config: str) -> None:
     """`--config`, `--model`, `--dtype`, `--num-cpus`: the app a bench deploys (the config's
-    own model and dtype unless overridden, `default_model` by default when given; see
-    `app_args`) and its Ray instance's CPUs."""
+    own model and dtype unless overridden; see `app_args`) and its Ray instance's CPUs."""
     parser.add_argument("--config", default=default_config, help="configs/<name>.yaml or a path")
-    model_help = "override the config's model" + (
-        f" (default: {default_model})" if default_model else ""
-    )
-    parser.add_argument("--model", default=default_model, help=model_help)
+    parser.add_argument("--model", default=None, help="override the config's model")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the Ray instance")
 

@@ -4,6 +4,9 @@ both places, the later one wins; left out, their defaults."""
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import pytest
 
 from app.batch.cli import build_parser
@@ -51,10 +54,8 @@ def test_unknown_options_are_still_refused(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/operations.md"])
 def test_the_documented_commands_parse(doc: str) -> None:
-    """Every `pdserve batch ...` command line the docs show is one this parser takes."""
-    import shlex
-    from pathlib import Path
-
+    """Every `pdserve batch ...` command line the docs show is one this parser takes, with
+    the service's address it names."""
     root = Path(__file__).resolve().parents[3]
     lines = [
         line.strip()
@@ -65,4 +66,5 @@ def test_the_documented_commands_parse(doc: str) -> None:
     for line in lines:
         argv = shlex.split(line.replace("$KEY", "sk-key"))[2:]
         args = build_parser().parse_args(argv)
-        assert args.action in ("submit", "status", "cancel"), line
+        if "--url" in argv:
+            assert args.url == argv[argv.index("--url") + 1], line
