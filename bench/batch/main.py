@@ -164,7 +164,7 @@ async def loaded_phase(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's arguments (the model defaults to `small`: module docstring)."""
+    """The command's arguments (which model `--model` left out means: `job_model`)."""
     parser = argparse.ArgumentParser(
         prog="pdserve bench batch",
         description=__doc__,
