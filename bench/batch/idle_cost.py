@@ -10,6 +10,9 @@
    ...; the others by their executable).
 3. **Offline beside the idle app**: step 1 again while the app idles.
 
+The app and the engine run the model `bench batch` runs (`bench.batch.main.job_model`: the
+config's, but `small` where it serves the built-in `tiny`, unless `--model` says so).
+
 Serve's cadence (`app/serve/cadence.py`) is in force unless the environment sets its
 variables: `RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1 RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=100
 pdserve bench idle-cost ...` measures Serve's defaults.

@@ -75,18 +75,21 @@ from bench.serve.workloads import FixedWorkload, make_prompt, schedule
 JOB_TENANT = "bench-batch"
 
 
-def job_model(config: str, model: str | None) -> str | None:
-    """The model the bench runs: `model` when given; else `small` where `config` serves
-    the built-in `tiny` (module docstring), else None (the config's own)."""
+def job_model(configured: str | None, model: str | None) -> str | None:
+    """The model the bench runs in place of the config's `configured` one: `model` when
+    given; else `small` where the config serves the built-in `tiny` (module docstring);
+    else None (the config's own)."""
     if model is not None:
         return model
-    return "small" if app_args(config)["model"].get("model") == "tiny" else None
+    return "small" if configured == "tiny" else None
 
 
 def plan_args(options: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """The app's args (with the job's tenant and a fresh store) and who sends what."""
-    model = job_model(options.config, options.model)
-    args = app_args(options.config, model, options.dtype, free_port())
+    args = app_args(options.config, None, options.dtype, free_port())
+    model = job_model(args["model"].get("model"), options.model)
+    if model is not None:
+        args = app_args(args, model)
     classes = {c["name"]: c for c in (args.get("admission") or {}).get("classes", [])}
     if options.batch_class not in classes or options.interactive_class not in classes:
         raise SystemExit(

@@ -12,19 +12,28 @@ from bench.batch.main import JOB_TENANT, build_parser, job_model, plan_args
 
 
 @pytest.mark.parametrize(
-    ("config", "model", "expected"),
+    ("configured", "model", "expected"),
     [
-        ("cpu-tenants", None, "small"),  # serves tiny: small instead
-        ("cpu-tenants", "tiny", "tiny"),  # asked for: kept
-        ("cpu-fallback", None, None),  # serves small: its own model
-        ("cpu-fallback", "tiny", "tiny"),
+        ("tiny", None, "small"),  # serves tiny: small instead
+        ("tiny", "tiny", "tiny"),  # asked for: kept
+        ("small", None, None),  # any other model: the config's own
+        ("/models/llama", None, None),
+        ("small", "tiny", "tiny"),
     ],
 )
-def test_the_model_run(config: str, model: str | None, expected: str | None) -> None:
-    assert job_model(config, model) == expected
+def test_the_model_run(configured: str, model: str | None, expected: str | None) -> None:
+    assert job_model(configured, model) == expected
 
 
-@pytest.mark.parametrize(("argv", "model"), [([], "small"), (["--model", "tiny"], "tiny")])
+@pytest.mark.parametrize(
+    ("argv", "model"),
+    [
+        ([], "small"),  # cpu-tenants serves tiny
+        (["--model", "tiny"], "tiny"),
+        (["--config", "cpu-fallback"], "small"),  # its own model (small)
+        (["--config", "cpu-fallback", "--model", "tiny"], "tiny"),
+    ],
+)
 def test_the_planned_app_runs_that_model_with_the_jobs_tenant(argv: list[str], model: str) -> None:
     options = build_parser().parse_args(["--json", "out.json", *argv])
     args, who = plan_args(options)
