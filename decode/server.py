@@ -301,10 +301,10 @@ class DecodeServer:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve polls this; our replica router reads it, and the ingress weighs a local
         prefill's cost from it (`prefill_tokens_per_s`: the prompts this replica prefilled
-        itself, queueing included) and sends degradable requests to the fallback pool
-        while `prefill_breakers` (prefill pool -> `open`/`half_open`; closed ones left out)
-        says a prefill pool is cut off here. Also connects new prefill replicas to this
-        replica's KV receiver (`decode/warm_up.py`). Never blocks."""
+        itself, from their first step to their first token) and sends degradable requests
+        to the fallback pool while `prefill_breakers` (prefill pool -> `open`/`half_open`;
+        closed ones left out) says a prefill pool is cut off here. Also connects new
+        prefill replicas to this replica's KV receiver (`decode/warm_up.py`). Never blocks."""
         if self.warmer is not None:
             self.warmer.tick()
         return {

@@ -133,6 +133,9 @@ class Engine:
         # (start, seconds) of recent steps: stats, and where ITL overhead comes from
         self.step_times: deque[tuple[float, float]] = deque(maxlen=256)
         self.idle_pass = False  # the last step scheduled nothing and preempted nothing
+        # Seconds of all steps, and of those on `spare_num_threads` (`_pick_threads`)
+        self.step_seconds = 0.0
+        self.spare_step_seconds = 0.0
         # (start, seconds, prompt tokens, all tokens) of recent steps that computed prompt
         # tokens: the replica's prefill rate, which decode-only steps (whole requests) do not
         # dilute, and the share of its time prompts take (`replica.signals.busy_share`)
@@ -309,6 +312,9 @@ class Engine:
             seconds = time.perf_counter() - start
             if not output.is_empty:  # an idle pass is no step (mean_step_ms)
                 self.step_times.append((start, seconds))
+                self.step_seconds += seconds
+                if torch.get_num_threads() != self._num_threads:
+                    self.spare_step_seconds += seconds
             if num_prompt_tokens:
                 num_tokens = sum(s.num_new_tokens for s in output.scheduled)
                 self.prompt_steps.append((start, seconds, num_prompt_tokens, num_tokens))

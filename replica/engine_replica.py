@@ -134,7 +134,8 @@ class EngineReplica:
         self.counters: Counter[str] = Counter()
         self.observers: list[ReplicaObserver] = []
         self.started_at = time.time()
-        # Prompts this replica computed for whole requests, queueing included (event loop).
+        # Prompts this replica computed for whole requests, from first scheduled to first
+        # token (event loop).
         self.local_prefill = PrefillRate()
         self._num_routing_reports = 0
         # Which prefixes this replica caches, for prefix-aware routing (routing stats).
@@ -156,6 +157,10 @@ class EngineReplica:
             **self.loop.occupancy,
             # deque.copy() is one C call: atomic against the engine thread's appends.
             **_step_ms(self.engine.step_times.copy()),
+            # Engine time in steps, and in steps on `model.spare_num_threads` (the cores
+            # other replicas leave idle, for batch lines sent on an idle service).
+            "step_s": self.engine.step_seconds,
+            "spare_step_s": self.engine.spare_step_seconds,
             "engine_alive": self.loop.is_alive,
             "seconds_since_progress": self.loop.seconds_since_progress,
             "counters": dict(self.counters),
@@ -216,18 +221,23 @@ class EngineReplica:
 
     async def generate_whole(self, request: Request) -> AsyncGenerator[RequestOutput]:
         """Serve `request` whole on this engine: its prompt is computed here, then decoded;
-        no KV transfer. Each prompt's rate (tokens computed over submit-to-first-token)
-        feeds `local_prefill`, from which the ingress weighs a local prefill's cost (not a
-        spare request's: it may have run on more threads than others get)."""
-        submitted = time.perf_counter()
+        no KV transfer. Each prompt's rate feeds `local_prefill`, from which the ingress
+        weighs a local prefill's cost (not a spare request's: it may have run on more
+        threads than others get): tokens computed over the time from its first step to its
+        first token, the steps of other requests it shared included, its wait before that
+        step not. The ingress adds that wait itself (the replica's `queued_tokens` at this
+        rate); a rate over submit-to-first-token counted it twice, and one burst (a prompt
+        queued behind a dozen) left a rate 5-10x too low that no later prompt came to
+        correct, since the cost it predicted kept every prompt off the replica."""
         timed = not request.spare
         async with contextlib.aclosing(self.loop.generate(request)) as deltas:
             async for delta in deltas:
                 first = delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids)
-                if timed and first:
-                    # The first token: the prompt was computed (after any queueing) by now.
+                scheduled = request.first_scheduled_time
+                if timed and first and scheduled is not None:
+                    # The first token: the prompt was computed by now.
                     computed = len(request.prompt_token_ids) - delta.num_cached_tokens
-                    self.local_prefill.add(computed, time.perf_counter() - submitted)
+                    self.local_prefill.add(computed, time.monotonic() - scheduled)
                 yield delta
 
     def check_health(self) -> None:

@@ -8,8 +8,9 @@ ingress then weighs, for such a prompt of P tokens (`choose_prefill`, a pure fun
   `(prompt tokens ahead of the request + P) / prefill_tokens_per_s`, as load shedding
   predicts it (`app/admission/shedding.py`);
 - the local cost: the best decode replica's `(queued_tokens + P) / prefill_tokens_per_s`
-  (its rate measured on the prompts it prefilled itself), plus `local_cost_factor` x
-  `P / rate` when it has running sequences, which stall while the prompt is computed.
+  (its rate measured on the prompts it prefilled itself, first step to first token), plus
+  `local_cost_factor` x `P / rate` when it has running sequences, which stall while the
+  prompt is computed.
 
 The prompt goes local when the remote wait exceeds the local cost x (1 + margin) and by at
 least `min_gain_s`; it goes back to remote once the wait is no longer than the local cost

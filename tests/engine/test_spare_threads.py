@@ -55,12 +55,15 @@ def test_spare_requests_alone_get_the_spare_threads(engine: tuple[Engine, list[i
     eng.add_request(eng.make_request("general kenobi", GREEDY, request_id="b", spare=True))
     spare_tokens = run(eng)
     assert seen and set(seen) == {2}
+    assert eng.step_seconds > 0 and eng.spare_step_seconds == eng.step_seconds
+    spare_s = eng.spare_step_seconds
 
     seen.clear()
     eng.add_request(eng.make_request("hello there", GREEDY, request_id="c"))
     eng.add_request(eng.make_request("general kenobi", GREEDY, request_id="d"))
     tokens = run(eng)
     assert set(seen) == {1}
+    assert eng.spare_step_seconds == spare_s < eng.step_seconds  # narrow steps: not spare
     assert [tokens["c"], tokens["d"]] == [spare_tokens["a"], spare_tokens["b"]]
 
 
