@@ -18,10 +18,16 @@ throughput, then beside interactive load against that load alone.
 4. **Capacity**: a closed-loop probe of interactive requests (`--interactive-prompt-tokens`,
    `--interactive-max-tokens`), doubling concurrency to saturation (`bench.serve.capacity`).
 5. **Interactive alone**: Poisson arrivals at `--load` (0.5) x that capacity for
-   `--duration` s: `interactive_attainment_without`.
+   `--duration` s.
 6. **Interactive with a job**: the same job submitted again, then the same arrivals:
    `interactive_attainment_with_job`; the job is followed until it completes.
-7. **Offline again**, the app stopped.
+7. **Interactive alone again**, the same arrivals once more: `interactive_attainment_without`
+   is over both runs alone, before and after the one with the job (A-B-A), so a host that
+   slows down or speeds up across the phases moves both sides alike.
+
+Each of the three runs sends the same arrival times with prompts of its own
+(`fresh_prompts`): no run finds another's prompts in a prefix cache.
+8. **Offline again**, the app stopped.
 
 Best of several runs on both sides of the idle ratio: on a shared host the same engine run
 a minute apart moved 261-348 tok/s here (2 cores of an AMD EPYC, BENCHMARKS.md), and other
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -77,7 +84,7 @@ from bench.batch.report import plot, verdicts
 from bench.serve.deploy import add_app_arguments, app_args, free_port, running_app
 from bench.serve.loadgen import Target, run_load
 from bench.serve.metrics import SLO, attainment, finite_or_none
-from bench.serve.workloads import FixedWorkload, make_prompt, schedule
+from bench.serve.workloads import FixedWorkload, ScheduledRequest, make_prompt, schedule
 
 JOB_TENANT = "bench-batch"
 
@@ -130,6 +137,14 @@ def plan_args(options: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
 
 
 IDLE_TIMEOUT_S = 120.0
+
+
+def fresh_prompts(
+    arrivals: Sequence[ScheduledRequest], workload: FixedWorkload, seed: int
+) -> list[ScheduledRequest]:
+    """`arrivals`' times with new contents drawn from `workload` at `seed`."""
+    rng = np.random.default_rng(seed)
+    return [dataclasses.replace(a, spec=workload.sample(rng)) for a in arrivals]
 
 
 def wait_idle(base_url: str, admin_key: str) -> None:
@@ -276,9 +291,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         arrivals = schedule(interactive, rate, options.duration, seed=options.seed)
         alone = asyncio.run(run_load(target, arrivals, desc="interactive alone"))
+        beside_arrivals = fresh_prompts(arrivals, interactive, options.seed + 13)
         loaded_job, beside, window = asyncio.run(
-            loaded_phase(app.base_url, who, shape, model, target, arrivals, options)
+            loaded_phase(app.base_url, who, shape, model, target, beside_arrivals, options)
         )
+        again_arrivals = fresh_prompts(arrivals, interactive, options.seed + 17)
+        again = asyncio.run(run_load(target, again_arrivals, desc="interactive alone again"))
     measure_offline(options.num_cpus)
     document["offline"] = {**max(runs, key=lambda run: run["tok_s"]), "runs": runs}
     slo = who["slo"]
@@ -287,11 +305,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "interactive_rate": rate,
         "interactive_tenant": who["interactive_tenant"],
         "slo_ms": {"ttft": slo.ttft_ms, "tpot": slo.tpot_ms},
-        "interactive_attainment_without": attainment(alone.records, slo),
+        "interactive_attainment_without": attainment(alone.records + again.records, slo),
         "interactive_attainment_with_job": attainment(beside.records, slo),
+        "interactive_attainment_without_before": attainment(alone.records, slo),
+        "interactive_attainment_without_after": attainment(again.records, slo),
         "load_window_s": list(window),
         "job": loaded_job.to_dict(shape.max_tokens),
         "records_without": [r.to_dict() for r in alone.records],
+        "records_without_after": [r.to_dict() for r in again.records],
         "records_with_job": [r.to_dict() for r in beside.records],
     }
     document["load_average_after"] = _loadavg()

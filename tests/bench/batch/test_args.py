@@ -1,6 +1,6 @@
 """`bench batch`'s model and plan: a config serving the built-in `tiny` runs `small` unless
 `--model` says otherwise, any other config its own model; the planned app has the job's
-tenant and a store of its own."""
+tenant and a store of its own; its interactive runs share arrival times, not prompts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from bench.batch.main import JOB_TENANT, build_parser, job_model, plan_args
+from bench.batch.main import JOB_TENANT, build_parser, fresh_prompts, job_model, plan_args
+from bench.serve.workloads import FixedWorkload, schedule
 
 
 @pytest.mark.parametrize(
@@ -45,3 +46,16 @@ def test_the_planned_app_runs_that_model_with_the_jobs_tenant(argv: list[str], m
         assert who["interactive_tenant"] != JOB_TENANT
     finally:
         shutil.rmtree(args["batch"]["store_dir"], ignore_errors=True)
+
+
+def test_each_interactive_run_keeps_the_arrival_times_with_prompts_of_its_own() -> None:
+    workload = FixedWorkload(128, 32)
+    arrivals = schedule(workload, 2.0, 10.0, seed=0)
+    first, second = fresh_prompts(arrivals, workload, 13), fresh_prompts(arrivals, workload, 17)
+    for runs in (first, second):
+        assert [a.arrival_s for a in runs] == [a.arrival_s for a in arrivals]
+        assert [a.spec.max_tokens for a in runs] == [a.spec.max_tokens for a in arrivals]
+    prompts = [{a.spec.prompt for a in run} for run in (arrivals, first, second)]
+    assert all(len(p) == len(arrivals) for p in prompts)
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
+    assert fresh_prompts(arrivals, workload, 13) == first  # seeded
