@@ -228,13 +228,15 @@ class EngineReplica:
         step not. The ingress adds that wait itself (the replica's `queued_tokens` at this
         rate); a rate over submit-to-first-token counted it twice, and one burst (a prompt
         queued behind a dozen) left a rate 5-10x too low that no later prompt came to
-        correct, since the cost it predicted kept every prompt off the replica."""
+        correct, since the cost it predicted kept every prompt off the replica. A prompt
+        preempted before its first token is not timed either (its time would hold the
+        wait to be scheduled again)."""
         timed = not request.spare
         async with contextlib.aclosing(self.loop.generate(request)) as deltas:
             async for delta in deltas:
                 first = delta.new_token_ids and delta.num_output_tokens == len(delta.new_token_ids)
                 scheduled = request.first_scheduled_time
-                if timed and first and scheduled is not None:
+                if timed and first and scheduled is not None and not request.num_preemptions:
                     # The first token: the prompt was computed by now.
                     computed = len(request.prompt_token_ids) - delta.num_cached_tokens
                     self.local_prefill.add(computed, time.monotonic() - scheduled)

@@ -5,7 +5,7 @@ throughput, then beside interactive load against that load alone.
    random tokens, `--max-tokens` generated each, EOS ignored) handed to one `Engine` in this
    process at once, with the config's decode pool's engine settings, once with 1 torch
    thread and once with `--num-cpus` (the cores the app gets), and with `--num-cpus` once
-   more after the app has stopped (step 7): `offline_tok_s`, generated tokens/s, is the best
+   more after the app has stopped (step 8): `offline_tok_s`, generated tokens/s, is the best
    of them.
 2. The config is deployed on a private Ray instance with `--num-cpus` CPUs, plus a tenant of
    its own for the job (default class: the config's `batch` class, no limits of its own);
@@ -24,13 +24,14 @@ throughput, then beside interactive load against that load alone.
 7. **Interactive alone again**, the same arrivals once more: `interactive_attainment_without`
    is over both runs alone, before and after the one with the job (A-B-A), so a host that
    slows down or speeds up across the phases moves both sides alike.
-
-Each of the three runs sends the same arrival times with prompts of its own
-(`fresh_prompts`): no run finds another's prompts in a prefix cache.
 8. **Offline again**, the app stopped.
 
-Best of several runs on both sides of the idle ratio: on a shared host the same engine run
-a minute apart moved 261-348 tok/s here (2 cores of an AMD EPYC, BENCHMARKS.md), and other
+Each of the three interactive runs sends the same arrival times with prompts of its own
+(`fresh_prompts`), and each job (the idle runs, the one beside the load) lines of its own
+(`JobShape.seed`): no run finds another's prompts in a prefix cache.
+
+Best of several runs on both sides of the idle ratio: on a shared host the same offline run
+moved 261-348 tok/s between runs minutes apart (2 cores of an AMD EPYC, BENCHMARKS.md), and other
 work only ever slows a run, so each side's best is its closest figure to what it can do;
 every run is in the JSON.
 
@@ -137,6 +138,9 @@ def plan_args(options: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
 
 
 IDLE_TIMEOUT_S = 120.0
+# Offsets from --seed of each job's lines (module docstring: none repeats another's)
+IDLE_JOB_SEED = 100
+LOADED_JOB_SEED = 200
 
 
 def fresh_prompts(
@@ -178,7 +182,8 @@ async def loaded_phase(
 ) -> tuple[JobRun, Any, tuple[float, float]]:
     """The job submitted, then the interactive arrivals beside it; (job, load, window)."""
     run = JobRun()
-    job = asyncio.create_task(run_job(base_url, who["job_key"], shape, model, run=run))
+    lines = dataclasses.replace(shape, seed=shape.seed + LOADED_JOB_SEED)
+    job = asyncio.create_task(run_job(base_url, who["job_key"], lines, model, run=run))
     while not run.batch_id:
         await asyncio.sleep(0.05)
     await asyncio.sleep(options.job_lead_s)  # the job under way before the load starts
@@ -260,9 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         warm = schedule(interactive, 1.0, 1.0, seed=options.seed + 7, num_requests=2)
         asyncio.run(run_load(target, warm, concurrency=1, progress=False))
         idle_runs = []
-        for _ in range(max(options.idle_runs, 1)):
+        for index in range(max(options.idle_runs, 1)):
             wait_idle(app.base_url, args["admin_api_keys"][0])
-            run = asyncio.run(run_job(app.base_url, who["job_key"], shape, model))
+            lines = dataclasses.replace(shape, seed=shape.seed + IDLE_JOB_SEED + index)
+            run = asyncio.run(run_job(app.base_url, who["job_key"], lines, model))
             idle_runs.append(run)
             print(f"idle: job {run.tok_s(shape.max_tokens) or 0:.1f} tok/s", file=sys.stderr)
         best = max(idle_runs, key=lambda run: run.tok_s(shape.max_tokens) or 0.0)
