@@ -15,7 +15,7 @@ import contextlib
 import os
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 
@@ -28,7 +28,7 @@ from engine.request import Request, RequestSpec
 from engine.tp_worker import RankEndpoints
 from replica.prefix_digest import PrefixDigest
 from replica.protocol import GenerationSpec
-from replica.signals import SIGNAL_WINDOW_S, RecentSamples, busy_share
+from replica.signals import MAX_SAMPLES, SIGNAL_WINDOW_S, busy_share
 
 # A loop iteration (one step, or the commands between steps) taking longer than this means
 # the engine thread is stuck: the replica reports unhealthy and Serve replaces it.
@@ -61,26 +61,39 @@ def replica_name(role: str) -> str:
 
 
 class PrefillRate:
-    """Prompt tokens prefilled per second, from (tokens, seconds) samples of the last
-    `RecentSamples` window; once measured, the latest rate outlives the window (a replica's
+    """Prompt tokens prefilled per second: the tokens of the prompts that finished within
+    the last `window_s` seconds over the time at least one of them was being computed
+    (the union of their (start, end) intervals), so prompts computed in the same steps
+    share that time instead of each counting it whole (four prompts in one step read as a
+    quarter of the rate). Once measured, the latest rate outlives the window (a replica's
     speed outlasts its traffic). Event loop only."""
 
-    def __init__(self) -> None:
-        self._tokens = RecentSamples()
-        self._seconds = RecentSamples()
+    def __init__(self, window_s: float = SIGNAL_WINDOW_S) -> None:
+        self.window_s = window_s
+        # (start, end, num_tokens) of recent prompts, in the order they ended
+        self._prompts: deque[tuple[float, float, int]] = deque(maxlen=MAX_SAMPLES)
         self._latest = 0.0
 
-    def add(self, num_tokens: int, seconds: float, now: float | None = None) -> None:
-        """One prompt: `num_tokens` computed in `seconds` (ignored unless both positive)."""
-        if num_tokens > 0 and seconds > 0:
-            self._tokens.add(num_tokens, now)
-            self._seconds.add(seconds, now)
+    def add(self, num_tokens: int, start: float, end: float) -> None:
+        """One prompt: `num_tokens` computed from `start` to `end` (monotonic seconds;
+        ignored unless both the tokens and the span are positive)."""
+        if num_tokens > 0 and end > start:
+            self._prompts.append((start, end, num_tokens))
 
     def tokens_per_s(self, now: float | None = None) -> float:
         """The window's rate, else the latest one measured; 0.0 until the first sample."""
-        seconds = sum(self._seconds.values(now))
-        if seconds > 0:
-            self._latest = sum(self._tokens.values(now)) / seconds
+        since = (time.monotonic() if now is None else now) - self.window_s
+        while self._prompts and self._prompts[0][1] < since:
+            self._prompts.popleft()
+        if self._prompts:
+            tokens = sum(num_tokens for _, _, num_tokens in self._prompts)
+            spans = sorted((start, end) for start, end, _ in self._prompts)
+            busy, covered = 0.0, spans[0][0]
+            for start, end in spans:
+                if end > covered:
+                    busy += end - max(start, covered)
+                    covered = end
+            self._latest = tokens / busy
         return self._latest
 
 
@@ -239,7 +252,7 @@ class EngineReplica:
                 if timed and first and scheduled is not None and not request.num_preemptions:
                     # The first token: the prompt was computed by now.
                     computed = len(request.prompt_token_ids) - delta.num_cached_tokens
-                    self.local_prefill.add(computed, time.monotonic() - scheduled)
+                    self.local_prefill.add(computed, scheduled, time.monotonic())
                 yield delta
 
     def check_health(self) -> None:

@@ -68,9 +68,11 @@ def plot(
     document: Mapping[str, Any],
     records: Sequence[RequestRecord],
     path: Path,
-    bin_s: float = 2.0,
+    bin_s: float = 8.0,
 ) -> str:
-    """Write the figure; returns its path."""
+    """Write the figure; returns its path. Bins of `bin_s` seconds: an idle job finishes
+    its lines in waves (as many as the decode replica's KV holds, ~4 s apart on `small`),
+    and bins shorter than two waves draw the waves, not the throughput."""
     import matplotlib
 
     matplotlib.use("Agg")

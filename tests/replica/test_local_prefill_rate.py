@@ -1,6 +1,7 @@
 """A replica's local prefill rate (`EngineReplica.local_prefill`, the decode pool's
 `prefill_tokens_per_s`) counts a prompt's compute, not its wait for the engine: the ingress
-adds the wait itself, from the replica's queued tokens (`app/routing/adaptive.py`)."""
+adds the wait itself, from the replica's queued tokens (`app/routing/adaptive.py`); and
+prompts computed in the same steps share those steps' time (`PrefillRate`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.request import SamplingParams
-from replica.engine_replica import EngineReplica
+from replica.engine_replica import EngineReplica, PrefillRate
 
 PROMPT = list(range(3, 67))  # 64 tokens
 HOLD_S = 2.0  # the engine thread held this long before it can schedule the prompt
@@ -73,3 +74,18 @@ def test_a_spare_request_is_not_timed(replica) -> None:
     before = replica.local_prefill.tokens_per_s()
     asyncio.run(_generate_behind_a_held_engine(replica, spare=True))
     assert replica.local_prefill.tokens_per_s() == before
+
+
+def test_prompts_computed_together_share_their_time() -> None:
+    rate = PrefillRate(window_s=60.0)
+    assert rate.tokens_per_s(now=0.0) == 0.0
+    for _ in range(4):  # four prompts of one step: 512 tokens in 1 s, not 128
+        rate.add(128, start=10.0, end=11.0)
+    assert rate.tokens_per_s(now=11.0) == 512.0
+    rate.add(100, start=20.0, end=20.5)  # apart: its own half second
+    assert rate.tokens_per_s(now=21.0) == 612.0 / 1.5
+    rate.add(50, start=20.25, end=21.0)  # half inside the last one
+    assert rate.tokens_per_s(now=21.0) == 662.0 / 2.0
+    rate.add(0, start=30.0, end=31.0)  # no tokens, or no time: no sample
+    rate.add(10, start=31.0, end=31.0)
+    assert rate.tokens_per_s(now=31.0) == 662.0 / 2.0

@@ -135,20 +135,24 @@ def test_hysteresis_does_not_flap_near_the_boundary() -> None:
 
 class Loads:
     """Pool loads as the ingress's replica routers publish them (a real `PoolView`), read
-    `age` seconds after they were published."""
+    `age` seconds after the latest was published: the clock stands still otherwise, so a
+    slow machine's real seconds between two calls never count (a probe due at 10.0 s must
+    not come at 9.9 because the test ran 0.1 s late)."""
 
     def __init__(self) -> None:
         self.view = PoolView()
         self.age = 0.0
+        self.published_at = time.monotonic()
 
     def publish(self, pool: str, *replicas: dict[str, Any]) -> None:
         self.view.update(pool, [(f"{pool}-{i}", stats) for i, stats in enumerate(replicas)])
+        self.published_at = time.monotonic()
 
     def adaptive(self, **overrides: Any) -> AdaptivePrefill:
         return AdaptivePrefill(settings(**overrides), self.view.get, clock=self.clock)
 
     def clock(self) -> float:
-        return time.monotonic() + self.age
+        return self.published_at + self.age
 
 
 REMOTE = RouteDecision(
@@ -338,12 +342,12 @@ def test_benchmark_configs() -> None:
 def test_prefill_rate_is_windowed_and_then_kept() -> None:
     rate = PrefillRate()
     assert rate.tokens_per_s(now=0.0) == 0.0
-    rate.add(400, 0.1, now=1.0)
-    rate.add(0, 0.1, now=1.0)  # nothing computed (all cached): no sample
-    rate.add(200, 0.1, now=2.0)
+    rate.add(400, 0.9, 1.0)
+    rate.add(0, 0.9, 1.0)  # nothing computed (all cached): no sample
+    rate.add(200, 1.9, 2.0)
     assert rate.tokens_per_s(now=2.0) == pytest.approx(3000.0)
     assert rate.tokens_per_s(now=1000.0) == pytest.approx(3000.0)  # window empty: kept
-    rate.add(100, 0.1, now=1001.0)
+    rate.add(100, 1000.9, 1001.0)
     assert rate.tokens_per_s(now=1001.0) == pytest.approx(1000.0)
 
 
