@@ -148,7 +148,7 @@ class EngineReplica:
         self.observers: list[ReplicaObserver] = []
         self.started_at = time.time()
         # Prompts this replica computed for whole requests, from first scheduled to first
-        # token (event loop).
+        # token; prompts computed together share that time (event loop).
         self.local_prefill = PrefillRate()
         self._num_routing_reports = 0
         # Which prefixes this replica caches, for prefix-aware routing (routing stats).
@@ -234,14 +234,15 @@ class EngineReplica:
 
     async def generate_whole(self, request: Request) -> AsyncGenerator[RequestOutput]:
         """Serve `request` whole on this engine: its prompt is computed here, then decoded;
-        no KV transfer. Each prompt's rate feeds `local_prefill`, from which the ingress
+        no KV transfer. Each prompt's span feeds `local_prefill`, from which the ingress
         weighs a local prefill's cost (not a spare request's: it may have run on more
         threads than others get): tokens computed over the time from its first step to its
-        first token, the steps of other requests it shared included, its wait before that
-        step not. The ingress adds that wait itself (the replica's `queued_tokens` at this
-        rate); a rate over submit-to-first-token counted it twice, and one burst (a prompt
-        queued behind a dozen) left a rate 5-10x too low that no later prompt came to
-        correct, since the cost it predicted kept every prompt off the replica. A prompt
+        first token (prompts computed in the same steps share their time: `PrefillRate`),
+        the steps of other requests it shared included, its wait before that step not. The
+        ingress adds that wait itself (the replica's `queued_tokens` at this rate); a rate
+        over submit-to-first-token counted it twice, and one burst (a prompt queued behind
+        a dozen) left a rate 5-10x too low that no later prompt came to correct, since the
+        cost it predicted kept every prompt off the replica. A prompt
         preempted before its first token is not timed either (its time would hold the
         wait to be scheduled again)."""
         timed = not request.spare

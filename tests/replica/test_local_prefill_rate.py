@@ -86,6 +86,10 @@ def test_prompts_computed_together_share_their_time() -> None:
     assert rate.tokens_per_s(now=21.0) == 612.0 / 1.5
     rate.add(50, start=20.25, end=21.0)  # half inside the last one
     assert rate.tokens_per_s(now=21.0) == 662.0 / 2.0
+    rate.add(10, start=20.25, end=20.5)  # inside the others: tokens, no time
+    assert rate.tokens_per_s(now=21.0) == 672.0 / 2.0
+    rate.add(28, start=21.0, end=21.5)  # touching the last: its own half second
+    assert rate.tokens_per_s(now=21.5) == 700.0 / 2.5
     rate.add(0, start=30.0, end=31.0)  # no tokens, or no time: no sample
     rate.add(10, start=31.0, end=31.0)
-    assert rate.tokens_per_s(now=31.0) == 662.0 / 2.0
+    assert rate.tokens_per_s(now=31.0) == 700.0 / 2.5
