@@ -242,9 +242,9 @@ class EngineReplica:
         ingress adds that wait itself (the replica's `queued_tokens` at this rate); a rate
         over submit-to-first-token counted it twice, and one burst (a prompt queued behind
         a dozen) left a rate 5-10x too low that no later prompt came to correct, since the
-        cost it predicted kept every prompt off the replica. A prompt
-        preempted before its first token is not timed either (its time would hold the
-        wait to be scheduled again)."""
+        cost it predicted kept every prompt off the replica. A prompt preempted before its
+        first token is not timed either (its time would hold the wait to be scheduled
+        again)."""
         timed = not request.spare
         async with contextlib.aclosing(self.loop.generate(request)) as deltas:
             async for delta in deltas:
