@@ -94,7 +94,11 @@ class Frontend:
         )
         self.policy = RouterPolicy(config)
         # Adaptive disaggregation weighs the prefill pools' load against the decode pools'.
-        self.adaptive = AdaptivePrefill(config.adaptive_prefill, self.overload.monitor.snapshot)
+        self.adaptive = AdaptivePrefill(
+            config.adaptive_prefill,
+            self.overload.monitor.snapshot,
+            local_prefill_threshold=config.local_prefill_threshold,
+        )
         # Prefill pools with `serves_decode` take whole requests while decode is busier.
         self.overflow = DecodeOverflow(config, self.overload.monitor.snapshot)
         self.placement = Placement(self.policy, self.adaptive, self.overflow)
@@ -249,9 +253,15 @@ class Frontend:
         # Deadline and load shedding (`app/admission/overload.py`): `timeout_s` is what the
         # request asked for (`timeout_param` names where), shedding never waits.
         deadline = self.overload.deadline(timeout_s, service_class.name, timeout_param)
-        shed = self.overload.check_shed(
+        # Shed on the pool computing the prompt, for what it computes: a chat turn whose
+        # history the decode replica caches computes its suffix there, on no prefill pool.
+        prompt_pool, prompt_tokens = route.computes or (
             None if route.local_prefill else route.prefill_pool,
             len(prompt_token_ids),
+        )
+        shed = self.overload.check_shed(
+            None if prompt_pool == route.decode_pool else prompt_pool,
+            prompt_tokens,
             service_class.ttft_s,
             service_class.priority,
             route.decode_pool,

@@ -301,7 +301,10 @@ class Ingress:
     async def health(self) -> Response:
         """`{"status": "ok"}` when every pool has a healthy replica, else 503 (nothing more:
         no host names or pids). Probes are shared and cached (`app/serve/readiness.py`); a
-        change of state is logged once, and a 503 here is an answer, not an error to log."""
+        change of state is logged once, and a 503 here is an answer, not an error to log.
+        The first probe also starts the ingress's view of the pools' load (so routing and
+        shedding have it from the first request)."""
+        self.frontend.overload.monitor.start()
         if not await self.readiness.is_ready():
             return error_json_response(ServiceUnavailableError("not ready", code="not_ready"))
         return JSONResponse({"status": "ok"})

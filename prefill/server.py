@@ -101,6 +101,7 @@ class PrefillServer:
                 engine_config,
                 cpu_affinity=cpu_affinity,
                 rank_endpoints=None if ranks is None else ranks[1],
+                calibrate=True,  # its rate is known before its first prompt
             )
             if ranks is not None:  # every rank sends its own KV shard (`kvtransfer.ranks`)
                 workers = replica.engine.workers
@@ -128,7 +129,9 @@ class PrefillServer:
         self._traces: dict[str, PrefillTrace] = {}
         self.replica.loop.layer_hook_for = self._layer_hook_for
         self._ttft_ms = RecentSamples()  # autoscaling signals (event loop only)
-        self._tokens_per_s = 0.0  # the latest prefill rate measured: speed outlasts traffic
+        # The latest prefill rate measured (at start, `replica/calibration.py`, then on the
+        # prompts it computes): speed outlasts traffic.
+        self._tokens_per_s = replica.calibrated_tokens_per_s
         # Prompt tokens accepted and not yet handed off, by priority (event loop only): the
         # ingress counts only the work at or above a request's priority as ahead of it.
         self._pending_tokens: Counter[int] = Counter()

@@ -26,6 +26,7 @@ from engine.kv_cache import KVCache
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestSpec
 from engine.tp_worker import RankEndpoints
+from replica.calibration import measure_prefill_rate
 from replica.prefix_digest import PrefixDigest
 from replica.protocol import GenerationSpec
 from replica.signals import MAX_SAMPLES, SIGNAL_WINDOW_S, busy_share
@@ -134,15 +135,23 @@ class EngineReplica:
         stall_timeout_s: float = STALL_TIMEOUT_S,
         cpu_affinity: Sequence[int] | None = None,
         rank_endpoints: RankEndpoints | None = None,
+        calibrate: bool = False,
     ) -> None:
         """`cpu_affinity`: cores to pin the process to before the engine starts (None: as is);
-        `rank_endpoints`: the TP workers' own KV transfer endpoints (`Engine`)."""
+        `rank_endpoints`: the TP workers' own KV transfer endpoints (`Engine`); `calibrate`:
+        measure the engine's prefill rate before its loop starts
+        (`replica/calibration.py`; `calibrated_tokens_per_s`, 0.0 without)."""
         if cpu_affinity is not None:
             pin_to_cores(cpu_affinity)
         self.role = role
         self.stall_timeout_s = stall_timeout_s
         self.name = replica_name(role)
         self.engine = Engine(config, kv_cache=kv_cache, rank_endpoints=rank_endpoints)
+        try:
+            self.calibrated_tokens_per_s = measure_prefill_rate(self.engine) if calibrate else 0.0
+        except BaseException:
+            self.engine.close()  # its TP workers, if any
+            raise
         self.loop = AsyncEngine(self.engine)
         self.counters: Counter[str] = Counter()
         self.observers: list[ReplicaObserver] = []

@@ -44,12 +44,19 @@ class PoolLoadMonitor:
         self._handles.update(handles)
         self._watched = True
 
-    def snapshot(self, pool: str) -> PoolSnapshot | None:
-        """The pool's latest load (never waits). The first call on an event loop starts the
-        background refresher (off one, e.g. a synchronous test, the view is only read)."""
+    def start(self) -> None:
+        """Start the background refresher if it is needed and not running yet; on an event
+        loop only (off one, e.g. a synchronous test, nothing starts). The ingress calls it at
+        each health probe, so the views exist before the first request: a burst arriving at
+        a fresh deployment is otherwise placed without them (the static rule, no shedding)
+        until the first stats come back."""
         if self._task is None and (self._settings.enabled or self._watched) and self._handles:
             with contextlib.suppress(RuntimeError):  # no running event loop
                 self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    def snapshot(self, pool: str) -> PoolSnapshot | None:
+        """The pool's latest load (never waits); starts the refresher (`start`)."""
+        self.start()
         return self._view.get(pool)
 
     async def _refresh_forever(self) -> None:

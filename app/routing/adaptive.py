@@ -27,6 +27,16 @@ Both loads come from this process's replica routers (`replica.placement.pool_vie
 fresh by `app/admission/load_monitor.py`) and lag by up to a stats period: the prompt tokens
 this ingress replica sent each way since a pool's snapshot are added to that pool's queue,
 so a burst of requests does not all go one way before the next snapshot.
+
+Both sides count only what they would compute: a chat turn resends its whole history, and
+the side that served the previous turn caches it (`app/routing/history.py`). So P is, on
+each side, the prompt less the prefix that side caches for the tenant (as this process's
+prefix indexes know it), and a prompt whose decode replica caches all but a suffix shorter
+than `local_prefill_threshold` is not weighed at all: the decode replica computes such a
+suffix itself, against its cached prefix, whatever the route says (`decode/server.py`),
+and only those tokens are counted there. Weighing the whole history instead counted a
+later turn's ~900 tokens on one side for its ~100-token suffix, and read both pools as
+seconds behind (BENCHMARKS.md, multi-turn).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 
 from app.admission.shedding import ReplicaLoad, predict_ttft_s
 from app.config import AdaptivePrefillSettings
+from app.routing.history import cached_tokens
 from app.routing.pool_router import RouteDecision
 from replica.placement import PoolSnapshot, figure
 
@@ -89,24 +100,28 @@ def choose_prefill(
     prefill: Sequence[ReplicaLoad] | None,
     decode: Sequence[DecodeLoad] | None,
     was_local: bool = False,
+    cached: tuple[int, int] = (0, 0),
 ) -> AdaptiveChoice:
     """Where a prompt the static rule sends remote should be prefilled (module docstring).
 
     `prefill` / `decode`: the pools' replicas, None when the pool's load is missing or
-    stale; `was_local`: the pair's last choice (the hysteresis)."""
+    stale; `was_local`: the pair's last choice (the hysteresis); `cached`: the prompt's
+    tokens cached on the prefill pool and on the decode pool, which neither computes."""
     limit = settings.max_local_prompt_tokens
     if num_prompt_tokens > limit:
         return AdaptiveChoice(False, f"len {num_prompt_tokens} > max_local_prompt_tokens {limit}")
     if prefill is None:
         return AdaptiveChoice(None, "no recent load of the prefill pool: static rule")
-    remote = predict_ttft_s(prefill, num_prompt_tokens)
+    remote_tokens = num_prompt_tokens - cached[0]
+    local_tokens = num_prompt_tokens - cached[1]
+    remote = predict_ttft_s(prefill, remote_tokens)
     if remote is None:
         return AdaptiveChoice(None, "prefill pool has no measured rate yet: static rule")
     if decode is None:
         return AdaptiveChoice(None, "no recent load of the decode pool: static rule", remote)
     borrowed = max(r.tokens_per_s for r in prefill) if settings.borrow_prefill_rate else 0.0
     costs = [
-        local_cost_s(load, num_prompt_tokens, rate, settings.local_cost_factor)
+        local_cost_s(load, local_tokens, rate, settings.local_cost_factor)
         for load in decode
         if (rate := load.tokens_per_s or borrowed) > 0
     ]
@@ -114,6 +129,8 @@ def choose_prefill(
         return AdaptiveChoice(None, "decode pool has no measured rate yet: static rule", remote)
     local = min(costs)
     figures = f"predicted wait {remote:.3f} s remote, local cost {local:.3f} s"
+    if any(cached):
+        figures += f" (computing {remote_tokens} there, {local_tokens} here)"
     go_local = remote > local * (1 + settings.margin) and remote - local >= settings.min_gain_s
     stay_local = was_local and remote > local
     if go_local or stay_local:
@@ -152,24 +169,46 @@ class AdaptivePrefill:
         settings: AdaptivePrefillSettings,
         snapshot: Callable[[str], PoolSnapshot | None],
         clock: Callable[[], float] = time.monotonic,
+        local_prefill_threshold: int = 0,
     ) -> None:
-        """`snapshot(pool)`: the pool's latest load, never waiting (`PoolLoadMonitor`)."""
+        """`snapshot(pool)`: the pool's latest load, never waiting (`PoolLoadMonitor`);
+        `local_prefill_threshold`: the decode replicas' short-suffix rule (module docstring)."""
         self.settings = settings
+        self._local_prefill_threshold = local_prefill_threshold
         self._snapshot = snapshot
         self._clock = clock
         self._local: dict[tuple[str, str], bool] = {}  # (prefill, decode) -> last choice
         self._last_remote: dict[tuple[str, str], float] = {}  # pair -> last prompt sent remote
         self._sent = SentSince()
 
-    def apply(self, route: RouteDecision, num_prompt_tokens: int, priority: int) -> RouteDecision:
+    def apply(
+        self,
+        route: RouteDecision,
+        num_prompt_tokens: int,
+        priority: int,
+        prompt_token_ids: Sequence[int] = (),
+        tenant: str = "",
+    ) -> RouteDecision:
         """`route`, prefilled locally instead when that is cheaper now, its reason extended
-        with the decision; `priority` orders the prefill pool's queue (lower = sooner)."""
+        with the decision; `priority` orders the prefill pool's queue (lower = sooner);
+        `prompt_token_ids` and `tenant`: the prompt, whose prefix cached on either side
+        that side does not compute (module docstring)."""
         now = self._clock()
         if route.local_prefill or route.prefill_pool is None or not self.settings.enabled:
             target = route.decode_pool if route.local_prefill else route.prefill_pool
             self._sent.add(target or route.decode_pool, num_prompt_tokens, now)
             return route
         pair = (route.prefill_pool, route.decode_pool)
+        cached = cached_tokens([route.prefill_pool, route.decode_pool], prompt_token_ids, tenant)
+        held, suffix = cached[route.decode_pool], num_prompt_tokens - cached[route.decode_pool]
+        if held and suffix < self._local_prefill_threshold:
+            self._sent.add(route.decode_pool, suffix, now)
+            why = (
+                f"adaptive ({route.prefill_pool} vs {route.decode_pool}): {route.decode_pool} "
+                f"caches {held} tokens, computes the {suffix}-token suffix itself"
+            )
+            reason = f"{route.reason}; {why}"  # and shedding weighs no prefill pool for it
+            return dataclasses.replace(route, reason=reason, computes=(route.decode_pool, suffix))
         prefill = self._fresh(route.prefill_pool, now)
         decode = self._fresh(route.decode_pool, now)
         prefill_loads = (
@@ -181,6 +220,7 @@ class AdaptivePrefill:
             prefill_loads,
             None if decode is None else self._decode_loads(route.decode_pool, decode),
             self._local.get(pair, False),
+            (cached[route.prefill_pool], held),
         )
         if choice.local_cost_s is not None:  # a comparison, not a rule: the pair's state
             self._local[pair] = bool(choice.local)
@@ -189,9 +229,9 @@ class AdaptivePrefill:
         why = f"adaptive ({route.prefill_pool} vs {route.decode_pool}): {choice.reason}"
         if not choice.local:
             self._last_remote[pair] = now
-            self._sent.add(route.prefill_pool, num_prompt_tokens, now)
+            self._sent.add(route.prefill_pool, num_prompt_tokens - cached[route.prefill_pool], now)
             return dataclasses.replace(route, reason=f"{route.reason}; {why}")
-        self._sent.add(route.decode_pool, num_prompt_tokens, now)
+        self._sent.add(route.decode_pool, suffix, now)
         return route.prefilled_locally(why)
 
     def _probe(

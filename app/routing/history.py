@@ -60,7 +60,9 @@ def cached_tokens(
     pools: Sequence[str], prompt_token_ids: Sequence[int], tenant: str
 ) -> dict[str, int]:
     """Tokens of the prompt's longest prefix cached on each pool's replicas for `tenant`, as
-    this process's replica routers know them (0 where none does)."""
+    this process's replica routers know them (0 where none does), at most the prompt's
+    full blocks before its last token, as the engine reuses them (one token is always
+    computed: the next token's logits come from it)."""
     cached = dict.fromkeys(pools, 0)
     keys: dict[int, list[int]] = {}  # block size -> the prompt's block keys
     for pool in cached:  # each pool once
@@ -72,7 +74,8 @@ def cached_tokens(
             keys[size] = prompt_block_keys(
                 prompt_token_ids, size, tenant, prefix_index.MAX_PROMPT_BLOCKS
             )
-        cached[pool] = index.longest(keys[size]) * size
+        usable = (len(prompt_token_ids) - 1) // size
+        cached[pool] = min(index.longest(keys[size]), usable) * size
     return cached
 
 

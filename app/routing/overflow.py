@@ -292,12 +292,14 @@ class DecodeOverflow:
         now: float,
         computes: tuple[str, int] | None = None,
     ) -> RouteDecision:
-        """`route` unchanged (counted as sent to its pools), `why` ending its reason;
-        `computes`: where its prompt computes (`RouteDecision.computes`)."""
+        """`route` unchanged, `why` ending its reason; `computes`: where its prompt
+        computes (`RouteDecision.computes`). Its streams count as sent to the decode pool
+        only: a prompt prefilled on a prefill pool counts there as prompt tokens computing
+        (`prompt_started`), not as a stream, for it leaves that replica once computed.
+        Counted there as a stream until the pool's next stats (~1 s), a burst of new
+        conversations read the two pools as tied and every one stayed on the decode pool
+        (ties stay; BENCHMARKS.md, multi-turn)."""
         self._sent.add(route.decode_pool, num_sequences, now)
-        prompt_pool = computes[0] if computes is not None else route.prefill_pool
-        if prompt_pool is not None and prompt_pool != route.decode_pool:
-            self._sent.add(prompt_pool, num_sequences, now)  # its prompt computes there
         reason = f"{route.reason}; {why}"
         return dataclasses.replace(route, reason=reason, computes=computes)
 

@@ -53,7 +53,8 @@ class Placement:
         checks()
         if num_prompt_tokens <= local_prefill_max_tokens:
             route = route.prefilled_locally("a batch line: prefilled where it decodes")
-        route = self.adaptive.apply(route, num_prompt_tokens, priority)  # counts its tokens
+        # Each step counts the tokens it sends to a pool.
+        route = self.adaptive.apply(route, num_prompt_tokens, priority, prompt_token_ids, tenant)
         return self.overflow.apply(
             route, num_prompt_tokens, tenant, num_sequences, max_tokens, prompt_token_ids
         )

@@ -157,13 +157,18 @@ def test_saturated_prefill_pool_prefills_locally(server: Server, hf: HFGreedy) -
     assert report["counts"].get("|local|decode", 0) > before.get("|local|decode", 0)
     assert decode_counters(server)["local_prefill"] > counters_before["local_prefill"]
 
-    # The flood is over: the same prompt goes to the prefill pool again, same tokens.
+    # The same prompt again: once the ingress's prefix index has the decode replica's
+    # report of it, that replica computes the rest (its last partial block) itself, with
+    # no choice to weigh; same tokens every time.
     deadline = time.monotonic() + DECISION_TIMEOUT_S
     while True:
         text, reason = complete(server, prompt)
-        if "-> remote prefill" in reason:
+        assert text == expected
+        if reason.endswith("-token suffix itself"):
             break
         if time.monotonic() > deadline:
-            pytest.fail(f"still local {DECISION_TIMEOUT_S}s after the flood: {reason}")
+            pytest.fail(f"the cached prompt still weighed {DECISION_TIMEOUT_S}s on: {reason}")
         time.sleep(0.5)
-    assert text == expected
+    # The flood is over: new prompts go to the prefill pool again, same tokens as HF.
+    prompt, text, reason = first_probe(server, 2000, "remote prefill", 0.5)
+    assert text == hf.complete(prompt, MAX_TOKENS).text

@@ -14,6 +14,8 @@ from pydantic import ValidationError
 
 from app.admission.shedding import ReplicaLoad
 from app.config import AdaptivePrefillSettings, PDServeConfig, load_config
+from app.errors import ServiceUnavailableError
+from app.frontend import Frontend
 from app.routing.adaptive import AdaptivePrefill, DecodeLoad, choose_prefill, local_cost_s
 from app.routing.pool_router import RouteDecision
 from decode.server import DecodeServer
@@ -21,8 +23,9 @@ from engine.builtin import write_builtin_model
 from engine.config import EngineConfig
 from engine.request import SamplingParams
 from replica.engine_replica import PrefillRate
-from replica.placement import PoolView
+from replica.placement import PoolView, pool_view
 from replica.protocol import GenerationSpec
+from tests.app.routing.conftest import Caches
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 P = 400  # prompt tokens of the request being placed
@@ -148,8 +151,9 @@ class Loads:
         self.view.update(pool, [(f"{pool}-{i}", stats) for i, stats in enumerate(replicas)])
         self.published_at = time.monotonic()
 
-    def adaptive(self, **overrides: Any) -> AdaptivePrefill:
-        return AdaptivePrefill(settings(**overrides), self.view.get, clock=self.clock)
+    def adaptive(self, threshold: int = 0, **overrides: Any) -> AdaptivePrefill:
+        """`threshold`: the decode replicas' `local_prefill_threshold`."""
+        return AdaptivePrefill(settings(**overrides), self.view.get, self.clock, threshold)
 
     def clock(self) -> float:
         return self.published_at + self.age
@@ -267,6 +271,83 @@ def test_no_probe_while_the_prefill_pool_is_busy_or_probing_is_off() -> None:
     for age in (0.0, 30.0, 60.0):
         loads.age = age
         assert busy.apply(REMOTE, P, priority=0).local_prefill
+
+
+def test_each_side_weighs_only_what_it_would_compute(caches: Caches) -> None:
+    """A chat turn resends its history: the side caching it computes only the rest."""
+    history, turn = list(range(100, 612)), list(range(100, 812))  # 32 blocks, 200 new tokens
+    loads = Loads()
+    loads.publish("prefill", prefill_stats(0))  # an idle prefill pool
+    loads.publish("decode", decode_stats(running=4))
+
+    def place() -> RouteDecision:
+        adaptive = loads.adaptive(threshold=128, margin=0.0, min_gain_s=0.0)
+        return adaptive.apply(REMOTE, len(turn), 0, turn, "acme")
+
+    assert not place().local_prefill  # 0.178 s remote vs 0.178 s local + a 0.178 s stall
+    caches.hold("decode", history, "globex")  # another tenant's blocks are not the turn's
+    assert not place().local_prefill
+    caches.hold("decode", history, "acme")
+    local = place()  # 0.178 s remote vs 0.05 s + a 0.05 s stall for the 200 new tokens
+    assert local.local_prefill
+    assert "local cost 0.100 s (computing 712 there, 200 here) -> local prefill" in local.reason
+    caches.hold("prefill", turn, "acme")  # the prefill replica holds all but 8 tokens
+    remote = place()
+    assert not remote.local_prefill
+    assert "wait 0.002 s remote, local cost 0.100 s (computing 8 there, 200 here)" in remote.reason
+
+
+def test_a_short_suffix_after_a_cached_history_is_counted_where_it_computes(
+    caches: Caches,
+) -> None:
+    """The decode replica computes a suffix shorter than `local_prefill_threshold` itself
+    (`decode/server.py`): no choice to make, and only the suffix counts as sent there."""
+    history, turn = list(range(100, 612)), list(range(100, 708))  # 96 new tokens
+    loads = Loads()
+    loads.publish("prefill", prefill_stats(40_000))  # the prefill pool is 10 s behind
+    loads.publish("decode", decode_stats())
+    adaptive = loads.adaptive(threshold=128, margin=0.0, min_gain_s=0.0)
+    caches.hold("decode", history, "")
+    for _ in range(10):
+        route = adaptive.apply(REMOTE, len(turn), 0, turn, "")
+        assert route.prefill_pool == "prefill" and not route.local_prefill
+        assert route.reason.endswith("caches 512 tokens, computes the 96-token suffix itself")
+    # A new prompt's local cost counts the 10 suffixes (960 tokens) ahead of it, not 6,080.
+    first = adaptive.apply(REMOTE, P, 0, list(range(2000, 2400)), "")
+    assert "local cost 0.340 s -> local prefill" in first.reason
+
+
+class NeverCalled:
+    """A decode pool's handle for requests that are only placed, never run."""
+
+    def options(self, **_: Any) -> NeverCalled:
+        return self
+
+
+def test_a_turn_whose_suffix_decode_computes_is_not_shed_for_the_prefill_pool(
+    caches: Caches, tmp_path: Path
+) -> None:
+    """Load shedding weighs the pool that computes the prompt: a backed-up prefill pool
+    refuses a new prompt it would compute, not a chat turn whose history the decode replica
+    caches and whose suffix it computes itself."""
+    model_dir = write_builtin_model(tmp_path / "tiny", "tiny")
+    pools = [{"name": "shed-prefill", "role": "prefill"}, {"name": "shed-decode", "role": "decode"}]
+    config = load_config(
+        {"model": {"model": str(model_dir)}, "pools": pools, "local_prefill_threshold": 64}
+    )
+    front = Frontend(config, {"shed-decode": NeverCalled()})
+    # 1000 s of prompts queued on the prefill pool; no local rate measured on decode yet
+    pool_view.update("shed-prefill", [("p0", prefill_stats(1_000_000, rate=1000.0))])
+    pool_view.update("shed-decode", [("d0", decode_stats(rate=0.0))])
+    history = [i % 256 for i in range(512)]
+    fresh = [(7 * i) % 256 for i in range(532)]
+    with pytest.raises(ServiceUnavailableError) as refused:
+        front.prepare(front.authenticate(None), fresh, SamplingParams(max_tokens=4))
+    assert refused.value.code == "overloaded"
+    caches.hold("shed-decode", history, "")
+    turn = front.prepare(front.authenticate(None), [*history, *[9] * 20], SamplingParams())
+    assert turn.route.computes == ("shed-decode", 20)
+    assert "shed-decode caches 512 tokens, computes the 20-token suffix itself" in turn.route.reason
 
 
 # ---- config ----------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from pydantic import ValidationError
 
 from app.admission.controller import decode_pool_blocks
 from app.config import PDServeConfig
-from app.routing import prefix_index
 from app.routing.history import History
 from app.routing.overflow import DecodeOverflow, OverflowChoice, choose_overflow
 from app.routing.pool_router import RouteDecision
@@ -27,9 +26,9 @@ from engine.loader import load_model_config
 from engine.request import SamplingParams
 from prefill.server import PrefillServer
 from replica.placement import PoolView
-from replica.prefix_digest import KEY_BYTES, prompt_block_keys
 from replica.protocol import GenerationSpec
 from replica.signals import MIN_BUSY_SPAN_S, SIGNAL_WINDOW_S
+from tests.app.routing.conftest import Caches
 
 SETTLE_TIMEOUT_S = 10.0
 
@@ -319,29 +318,7 @@ def test_apply_keeps_the_route_while_decode_has_room() -> None:
     assert route.reason.endswith("2.0 on prefill: decode not above by 2, route stands")
 
 
-@pytest.fixture
-def indexes(monkeypatch: pytest.MonkeyPatch) -> prefix_index.PerPool[prefix_index.PrefixIndex]:
-    """This process's prefix indexes, fresh for the test (the replica routers' view)."""
-    fresh = prefix_index.PerPool(prefix_index.PrefixIndex)
-    monkeypatch.setattr(prefix_index, "shared", fresh)
-    return fresh
-
-
-def cache(
-    indexes: prefix_index.PerPool[prefix_index.PrefixIndex],
-    pool: str,
-    prompt: list[int],
-    tenant: str,
-) -> None:
-    """The pool's router saw a replica report `prompt`'s blocks for `tenant`."""
-    keys = prompt_block_keys(prompt, 16, tenant)
-    blob = b"".join(k.to_bytes(KEY_BYTES, "little") for k in keys)
-    indexes.pool(pool).update(f"{pool}-0", {"prefix_digest": blob, "block_size": 16})
-
-
-def test_apply_serves_a_turn_where_its_history_is_cached(
-    indexes: prefix_index.PerPool[prefix_index.PrefixIndex],
-) -> None:
+def test_apply_serves_a_turn_where_its_history_is_cached(caches: Caches) -> None:
     history = list(range(100, 612))  # 32 blocks
     turn = history + list(range(700, 900))  # 200 new tokens
     cfg = config(local_prefill_threshold=128)  # a decode replica computes suffixes below
@@ -351,10 +328,10 @@ def test_apply_serves_a_turn_where_its_history_is_cached(
     assert loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn).decode_pool == (
         "decode"
     )
-    cache(indexes, "prefill", history, "acme")  # another tenant's blocks hash differently
+    caches.hold("prefill", history, "acme")  # another tenant's blocks hash differently
     other = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
     assert other.decode_pool == "decode"
-    cache(indexes, "prefill", history, "")
+    caches.hold("prefill", history, "")
     moved = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
     assert moved.decode_pool == "prefill" and moved.local_prefill
     assert "prefix cached: 512 on prefill vs 0 on decode tokens" in moved.reason
@@ -362,13 +339,13 @@ def test_apply_serves_a_turn_where_its_history_is_cached(
     # the decode pool caching more keeps the turn, though the prefill replica is idler
     loads.publish("decode", 3)
     loads.publish("prefill", 1)
-    cache(indexes, "decode", turn, "")
+    caches.hold("decode", turn, "")
     kept = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
     assert kept.decode_pool == "decode" and kept.prefill_pool == "prefill"
     assert "prefix cached: 512 on prefill vs 704 on decode tokens" in kept.reason
     # the decode replica lacks 8 tokens: they compute there, nothing on the prefill pool
     assert kept.computes == ("decode", 8)
-    cache(indexes, "decode", [], "")  # evicted there: back to the replica holding most
+    caches.hold("decode", [], "")  # evicted there: back to the replica holding most
     back = loads.overflow(cfg).apply(REMOTE, len(turn), "", prompt_token_ids=turn)
     assert back.decode_pool == "prefill" and back.computes == ("prefill", 200)
 
@@ -511,6 +488,18 @@ def test_a_burst_is_split_between_the_pools() -> None:
     overflow = loads.overflow()
     pools = [overflow.apply(LOCAL, 40, "").decode_pool for _ in range(6)]
     assert pools == ["prefill", "prefill", "prefill", "decode", "prefill", "decode"], pools
+
+
+def test_a_burst_of_remote_prefills_is_split_between_the_pools() -> None:
+    """A request prefilled on the prefill pool and handed off decodes on the decode pool
+    only: counted as a stream on both until the next stats, a burst of new conversations
+    read the two as tied and every one stayed on the decode pool."""
+    loads = Loads()
+    loads.publish("decode", 0)
+    loads.publish("prefill", 0)
+    overflow = loads.overflow(config(adaptive_prefill={"decode_overflow_gap": 0}))
+    pools = [overflow.apply(REMOTE, 900, "").decode_pool for _ in range(6)]
+    assert pools == ["decode", "prefill"] * 3, pools
 
 
 def test_a_snapshot_never_hides_what_this_ingress_has_running() -> None:
