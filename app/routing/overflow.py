@@ -292,14 +292,17 @@ class DecodeOverflow:
         now: float,
         computes: tuple[str, int] | None = None,
     ) -> RouteDecision:
-        """`route` unchanged, `why` ending its reason; `computes`: where its prompt
-        computes (`RouteDecision.computes`). Its streams count as sent to the decode pool
-        only: a prompt prefilled on a prefill pool counts there as prompt tokens computing
-        (`prompt_started`), not as a stream, for it leaves that replica once computed.
-        Counted there as a stream until the pool's next stats (~1 s), a burst of new
-        conversations read the two pools as tied and every one stayed on the decode pool
-        (ties stay; BENCHMARKS.md, multi-turn)."""
+        """`route` unchanged (counted as sent to its pools), `why` ending its reason;
+        `computes`: where its prompt computes (`RouteDecision.computes`). A stream whose
+        prompt computes on a prefill pool also counts there until the pool's next stats,
+        which keeps a burst of new conversations on the decode pool (ties stay). Counted
+        on the decode pool only, such a burst spread over both pools: `bench compare`'s
+        multi-turn capacity rose from 0.92x to 0.98x colocated's, but later turns' TTFT
+        in `bench multiturn` rose from 36-43 ms to 53-60 ms (BENCHMARKS.md, multi-turn)."""
         self._sent.add(route.decode_pool, num_sequences, now)
+        prompt_pool = computes[0] if computes is not None else route.prefill_pool
+        if prompt_pool is not None and prompt_pool != route.decode_pool:
+            self._sent.add(prompt_pool, num_sequences, now)  # its prompt computes there
         reason = f"{route.reason}; {why}"
         return dataclasses.replace(route, reason=reason, computes=computes)
 

@@ -490,18 +490,6 @@ def test_a_burst_is_split_between_the_pools() -> None:
     assert pools == ["prefill", "prefill", "prefill", "decode", "prefill", "decode"], pools
 
 
-def test_a_burst_of_remote_prefills_is_split_between_the_pools() -> None:
-    """A request prefilled on the prefill pool and handed off decodes on the decode pool
-    only: counted as a stream on both until the next stats, a burst of new conversations
-    read the two as tied and every one stayed on the decode pool."""
-    loads = Loads()
-    loads.publish("decode", 0)
-    loads.publish("prefill", 0)
-    overflow = loads.overflow(config(adaptive_prefill={"decode_overflow_gap": 0}))
-    pools = [overflow.apply(REMOTE, 900, "").decode_pool for _ in range(6)]
-    assert pools == ["decode", "prefill"] * 3, pools
-
-
 def test_a_snapshot_never_hides_what_this_ingress_has_running() -> None:
     """A snapshot measured before a sent request reached its replica, but received after it
     was sent, shows the replica idle: the request still counts until it ends."""
