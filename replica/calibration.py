@@ -9,8 +9,8 @@ every one of those rules runs blind: the static rule, a token count in place of 
 gate, no TTFT prediction. A burst of new conversations arriving at a fresh replica (a
 restart, a scale-up) is placed in exactly that window: in `bench compare --workload
 multiturn`, whose points each start on a fresh deployment, all of a run's first turns
-(513 tokens, ~26 ms of `tiny`) arrived before the rate was known, closed the token gate
-(256) and went to one replica (BENCHMARKS.md, multi-turn).
+(513 tokens) arrived before the rate was known and closed the token gate (256): 21 of 30
+went to the decode replica for that reason alone (BENCHMARKS.md, multi-turn).
 
 So a prefill replica computes two prompts of `CALIBRATION_TOKENS` (one chunk) before its
 engine loop starts: the first warms the kernels (oneDNN's primitives, Triton's compiles;
@@ -35,8 +35,8 @@ CALIBRATION_TOKENS = 512  # one chunk at the configs' long_prefill_token_thresho
 def measure_prefill_rate(engine: Engine, num_tokens: int = CALIBRATION_TOKENS) -> float:
     """Prompt tokens per second of the engine's second of two `num_tokens` prompts (fewer
     if the engine's step budget, context or KV cache is smaller; 0.0 if none fits); leaves
-    the engine as it found it
-    (module docstring). Engine thread only: call it before the engine loop starts."""
+    the engine as it found it (module docstring). Engine thread only: call it before the
+    engine loop starts."""
     scheduler, pool = engine.config.scheduler, engine.kv_manager.pool
     capacity = pool.num_blocks * engine.kv_spec.block_size - 1  # and its one output token
     n = min(num_tokens, scheduler.max_num_batched_tokens, engine.max_model_len - 1, capacity)
