@@ -38,7 +38,14 @@ def test_signals_before_and_after_traffic(servers) -> None:
     idle_prefill = asyncio.run(prefill.record_autoscaling_stats())
     idle_decode = asyncio.run(decode.record_autoscaling_stats())
     assert set(idle_prefill) == set(PREFILL_SIGNALS) and set(idle_decode) == set(DECODE_SIGNALS)
-    assert idle_prefill == {"queued_prompt_tokens": 0, "prefill_tokens_per_s": 0, "ttft_p90_ms": 0}
+    # The prefill rate is known before any traffic: measured at start (`replica/calibration.py`).
+    calibrated = prefill.replica.calibrated_tokens_per_s
+    assert calibrated > 0
+    assert idle_prefill == {
+        "queued_prompt_tokens": 0,
+        "prefill_tokens_per_s": calibrated,
+        "ttft_p90_ms": 0,
+    }
     num_blocks = decode.stats()["num_blocks"]
     assert idle_decode["kv_blocks_total"] == num_blocks and idle_decode["kv_blocks_used"] == 0
     assert idle_decode["itl_p90_ms"] == 0
