@@ -70,8 +70,22 @@ hides the request for a whole stats period, and the next one joins the same repl
 pool's figure is never below what this ingress replica itself has running there (`started`
 to `ended`, spread over the pool's replicas), as Serve's own router counts its requests in
 flight (without it, 27 of 500 chat requests joined the busier replica and 20 of those
-missed their TPOT SLO; BENCHMARKS.md, the chat runs). Missing or stale loads (older than
-`adaptive_prefill.max_age_s`) leave the route as it is. Event loop only.
+missed their TPOT SLO; BENCHMARKS.md, the chat runs). Stale loads (older than
+`adaptive_prefill.max_age_s`: a pool whose replicas stopped answering) leave the route as it
+is.
+
+A pool whose replicas have not reported yet (a fresh deployment, in the second or so before
+Serve's first stats; its router may know the replicas, without stats) reads as those
+replicas (or its configured count) idle: its figures are then this ingress's own, the
+streams it has running there and the prompt tokens it has computing there (the gate counts
+tokens: no rate is known). Not the sequences it sent since: a handed-off stream counts on
+both pools until their next stats, so every new conversation would read as a tie, which
+stays on the decode pool. Left to the route instead, a burst at a fresh deployment all
+stood on the decode pool, and a conversation stays where its history is: in `bench
+compare`'s multi-turn runs 4-20 first turns of a point's 30 were placed before the first
+stats, all on the decode replica, which then carried their later turns too (BENCHMARKS.md,
+multi-turn). A pool still unreported `adaptive_prefill.max_age_s` after this ingress first
+looked for it counts as stale (its replicas never answered). Event loop only.
 """
 
 from __future__ import annotations
@@ -160,6 +174,14 @@ class DecodeOverflow:
         self._prompts: Counter[str] = Counter()  # pool -> prompt tokens computing there
         self._max_whole_output = config.adaptive_prefill.serve_whole_max_output_tokens
         self._ties = 0  # short outputs placed among tied pools, which take them in turn
+        # A pool's replicas before its first stats (`_unseen`): its fixed count, or the
+        # autoscaling minimum Serve starts it with.
+        self._initial_replicas = {
+            pool.name: pool.num_replicas
+            or (pool.autoscaling.min_replicas if pool.autoscaling else 1)
+            for pool in config.pools
+        }
+        self._first_look: dict[str, float] = {}  # pool -> when it was first found unreported
 
     def started(self, pool: str, num_sequences: int) -> None:
         """The ingress started `num_sequences` streams on `pool` (its decode pool, or the
@@ -349,12 +371,28 @@ class DecodeOverflow:
         return None if snapshot is None else self._least(pool, snapshot)
 
     def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:
-        """The pool's snapshot if it has replicas reporting sequences and is recent."""
+        """The pool's snapshot if it has replicas reporting sequences and is recent; before
+        its first such one (no snapshot, or replicas known without stats yet), `_unseen`
+        for `max_age_s` from the first look."""
         snapshot = self._snapshot(pool)
-        if snapshot is None or now - snapshot.updated_at > self._max_age_s:
+        if snapshot is not None and any(
+            s.get("num_sequences") is not None for s in snapshot.replicas.values()
+        ):
+            return snapshot if now - snapshot.updated_at <= self._max_age_s else None
+        first_look = self._first_look.setdefault(pool, now)
+        if now - first_look > self._max_age_s:
             return None
-        reporting = any(s.get("num_sequences") is not None for s in snapshot.replicas.values())
-        return snapshot if reporting else None
+        num_replicas = len(snapshot.replicas) if snapshot is not None else None
+        return self._unseen(pool, now, num_replicas)
+
+    def _unseen(self, pool: str, now: float, num_replicas: int | None) -> PoolSnapshot:
+        """A pool whose replicas have not reported yet (module docstring): `num_replicas`
+        (None: unknown, its initial count) idle as of now, so that what this ingress has
+        running and computing there make its figures (`_sequences`, `_in_flight`); no
+        prefill rate (token gate)."""
+        count = num_replicas or self._initial_replicas.get(pool, 1)
+        replicas = {f"{pool}-unseen-{i}": {"num_sequences": 0} for i in range(count)}
+        return PoolSnapshot(replicas, now)
 
     def _in_flight(self, pool: str, now: float) -> tuple[float, float] | None:
         """(prompt tokens to compute, requests in flight) on the pool's least loaded

@@ -267,16 +267,30 @@ def test_a_short_output_counts_what_the_ingress_has_running_and_computing() -> N
     assert "3000 tokens, 1.0 requests on decode" in route.reason
 
 
-def test_a_short_output_without_loads_is_left_to_the_rules() -> None:
-    """No recent load of the decode pool (here: none of either, then only the prefill
-    pool's): the placement does not guess; the route stands as the overflow rule says."""
+def test_a_short_output_before_the_first_stats_is_placed_on_this_ingress_figures() -> None:
+    """Before either pool has reported, each reads as this ingress's own: its prompt tokens
+    computing there, then its streams there."""
     loads = Loads()
+    overflow = loads.overflow(config(**SHORT))
+    overflow.started("decode", 2)
+    route = overflow.apply(REMOTE, 900, "", max_tokens=16)
+    assert route.decode_pool == "prefill" and route.prefill_pool is None, route.reason
+    assert "0 tokens, 0.0 requests on prefill, 0 tokens, 2.0 requests on decode" in route.reason
+    overflow.prompt_started("prefill", 700)
+    assert overflow.apply(REMOTE, 900, "", max_tokens=16).decode_pool == "decode"
+
+
+def test_a_short_output_on_stale_loads_is_left_to_the_rules() -> None:
+    """The decode pool's load is stale (its replicas stopped answering): the placement does
+    not guess; the route stands as the overflow rule says."""
+    loads = Loads()
+    loads.publish("decode", 0)
+    loads.publish("prefill", 0)
+    loads.age = 6.0  # older than adaptive_prefill.max_age_s (5 s)
     overflow = loads.overflow(config(**SHORT))
     assert overflow.apply(REMOTE, 900, "", max_tokens=16) == dataclasses.replace(
         REMOTE, reason=f"{REMOTE.reason}; no recent load of decode pool decode"
     )
-    loads.publish("prefill", 0)
-    assert overflow.apply(REMOTE, 900, "", max_tokens=16).prefill_pool == "prefill"
 
 
 def test_a_prompt_too_long_to_prefill_locally_chooses_among_prefill_pools() -> None:
@@ -350,12 +364,60 @@ def test_apply_serves_a_turn_where_its_history_is_cached(caches: Caches) -> None
     assert back.decode_pool == "prefill" and back.computes == ("prefill", 200)
 
 
-def test_apply_leaves_routes_on_missing_or_stale_loads() -> None:
+def test_before_the_first_stats_a_pool_reads_as_this_ingress_own_streams() -> None:
+    """A fresh deployment: no router has reported either pool yet. Each reads as its
+    configured replicas holding what this ingress has running there, so a burst spreads
+    over both pools instead of all standing on the decode pool; the prompt gate counts the
+    tokens this ingress has computing on the prefill pool (no rate is known yet)."""
+    loads = Loads()
+    overflow = loads.overflow(config(adaptive_prefill={"decode_overflow_gap": 0}))
+    tie = overflow.apply(REMOTE, 900, "")
+    assert tie.decode_pool == "decode" and tie.prefill_pool == "prefill", tie.reason
+    assert tie.reason.endswith(
+        "decode load 1.0 on decode vs 1.0 on prefill: decode not above, route stands"
+    )
+    overflow.started("decode", 1)
+    overflow.prompt_started("prefill", 900)  # its prompt computes on the prefill replica
+    busy = overflow.apply(REMOTE, 900, "")
+    assert busy.decode_pool == "decode", busy.reason
+    assert busy.reason.endswith("prefill pools prefill busy with prompts: route stands")
+    overflow.prompt_computed("prefill", 900)  # its first token came back
+    moved = overflow.apply(REMOTE, 900, "")
+    assert moved.decode_pool == "prefill" and moved.prefill_pool is None, moved.reason
+    assert "decode load 2.0 on decode vs 1.0 on prefill -> served whole on prefill" in moved.reason
+    # two decode replicas share this ingress's streams there
+    two = PDServeConfig.model_validate(
+        {
+            "pools": [
+                {"name": "prefill", "role": "prefill", "serves_decode": True},
+                {"name": "decode", "role": "decode", "num_replicas": 2},
+            ],
+            "adaptive_prefill": {"decode_overflow_gap": 0},
+        }
+    )
+    spread = loads.overflow(two)
+    spread.started("decode", 1)
+    route = spread.apply(REMOTE, 900, "")
+    assert "decode load 1.5 on decode vs 1.0 on prefill -> served whole" in route.reason
+    # replicas known to the router without stats yet count as unreported, their number known
+    loads.view.update("decode", [("decode-0", {}), ("decode-1", {}), ("decode-2", {})])
+    route = spread.apply(REMOTE, 900, "")
+    assert "decode load 1.3 on decode vs 1.0 on prefill" in route.reason
+    # still unreported max_age_s (5 s) after the first look: its replicas never answered
+    loads.age = 5.5
+    assert spread.apply(REMOTE, 900, "") == dataclasses.replace(
+        REMOTE, reason=f"{REMOTE.reason}; no recent load of decode pool decode"
+    )
+
+
+def test_apply_leaves_routes_on_stale_loads() -> None:
     loads = Loads()
     overflow = loads.overflow()
-    assert overflow.apply(LOCAL, 40, "").decode_pool == "decode"  # nothing seen yet
     loads.publish("decode", 9)
-    assert "no prefill pool that serves decode" in overflow.apply(LOCAL, 40, "").reason
+    # the prefill pool has not reported yet: it reads as this ingress's own figures (idle)
+    assert overflow.apply(LOCAL, 40, "").reason.endswith(
+        "decode load 10.0 on decode vs 1.0 on prefill -> served whole on prefill"
+    )
     loads.publish("prefill", 0)
     loads.age = 6.0  # older than adaptive_prefill.max_age_s (5 s)
     route = overflow.apply(LOCAL, 40, "")
