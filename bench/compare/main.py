@@ -51,7 +51,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.compare import quiet, report, store
+from bench.compare import cpu, quiet, report, store
 from bench.compare.run import ConfigRun
 from bench.compare.store import Slos, resumed, settings, slo_section
 from bench.goodput.sweep import add_sweep_args
@@ -203,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "goodput_per_core": {
             n: None if (m := summary["goodput"][n]["mean"]) is None else m / args.num_cpus
             for n in names
+        },
+        # where each config's CPU went, per request, over all its points
+        "cpu_ms_per_request": {
+            n: cpu.mean_per_request([p for run in runs[n] for p in run["points"]]) for n in names
         },
         "runs": runs,
     }

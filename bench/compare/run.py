@@ -8,7 +8,8 @@ the knee search, measured one rate point per deployment.
   TTFT/TPOT (`measure_isolated`: requests one at a time, median of `--isolated-repeats`);
 - the next rate the search asks for: exactly `--requests-per-point` requests, the same ones
   for the k-th point of every config at a seed (`point_seed`), with a Wilson interval on
-  the attainment (`point`);
+  the attainment (`point`) and the CPU each part of the deployment used per request
+  (`bench/compare/cpu.py`);
 - on its last, isolated TTFT/TPOT and the load average again (`drift`).
 
 One point per deployment lets `bench/compare/main.py` take the configs in turn, point by point:
@@ -32,7 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.compare import quiet
+from bench.compare import cpu, quiet
 from bench.compare.store import SloPlan, Slos
 from bench.goodput.knee import KneeStepper
 from bench.goodput.stats import wilson_interval
@@ -228,9 +229,11 @@ class ConfigRun:
         requests = requests_from_args(point_args, rate, 0.0, self.args.requests_per_point)
         started_at = time.time()  # when, to show configs were measured side by side
         progress = not self.args.no_progress
+        cpu_before, clock = cpu.cpu_times(), time.monotonic()
         result = run_load_sync(target, requests, self.args.concurrency, 1, progress, self.name)
+        used = cpu.usage(cpu_before, cpu.cpu_times(), len(result.records), time.monotonic() - clock)
         measured = point(result, plan, shared, target, self.args.confidence)
-        self.points.append({"rate": rate, "started_at": started_at, **measured})
+        self.points.append({"rate": rate, "started_at": started_at, **measured, "cpu": used})
         self.stepper.record(rate, float(measured["attainment"]))
         line = {"config": self.name, "seed": self.seed, "rate": rate}
         print(json.dumps({**line, "attainment": measured["attainment"]}), file=sys.stderr)

@@ -58,6 +58,13 @@ def test_compare_pipeline(tiny_model_dir: Path, tmp_path: Path) -> None:
             assert 0.0 <= low <= point["attainment"] <= high <= 1.0
             for record in point["records"]:
                 assert record["success"], record["error"]
+            # every part of the deployment did work for these requests, each named by role
+            pools = {pool["name"] for pool in run["args"]["pools"]}
+            used = point["cpu"]["cpu_ms_per_request"]
+            assert {"ingress", "proxy", "client", *pools} <= set(used), used
+            assert all(used[role] > 0 for role in ("ingress", "proxy", *pools)), used
+        pools = {pool["name"] for pool in run["args"]["pools"]}
+        assert set(document["cpu_ms_per_request"][name]) >= {"ingress", "total", *pools}
         goodput = document["goodput"][name]
         assert goodput["per_run"] == [run["goodput"]["goodput"]]
     ratio = document["ratio"]
