@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import sys
@@ -32,6 +33,17 @@ from engine.request import Request
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 0.0005
+
+
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: the tokens, text and logprobs of both,
+    and the later one's state (every delta carries the request's counts as of its step)."""
+    return dataclasses.replace(
+        then,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        new_text=first.new_text + then.new_text,
+        new_logprobs=first.new_logprobs + then.new_logprobs,
+    )
 
 
 class EngineDeadError(RuntimeError):
@@ -98,16 +110,31 @@ class AsyncEngine:
 
         Raises `RequestFailedError` when the request failed in the engine (its blocks are
         already freed), `EngineDeadError` when the whole loop stopped.
+
+        Deltas already queued when the caller comes for the next one (it was busy: a
+        loaded host, a slow consumer downstream) are merged into one (`merged`); nothing
+        waits for more. Each delta a replica yields is one object on Serve's stream to the
+        ingress, and relaying them costs the ingress and Serve's proxy more CPU per request
+        than the engines use (BENCHMARKS.md, multi-turn); under load, merging lets that
+        cost fall as the steps slow instead of staying one relay per token.
         """
         finished = False
+        waiting: RequestOutput | BaseException | None = None  # taken from the queue, not merged
         try:
             while True:
-                item = await stream.get()
+                item = waiting if waiting is not None else await stream.get()
+                waiting = None
                 if isinstance(item, BaseException):
                     raise item
                 if item.error is not None:
                     finished = True
                     raise RequestFailedError(item.error)
+                # Deltas that arrived while the caller was busy go out as one.
+                while not item.finished and not stream.empty():
+                    waiting = stream.get_nowait()
+                    if isinstance(waiting, BaseException) or waiting.error is not None:
+                        break
+                    item, waiting = merged(item, waiting), None
                 yield item
                 if item.finished:
                     finished = True

@@ -258,6 +258,62 @@ def test_async_failure_delta_carries_the_error(async_engine: AsyncEngine) -> Non
     assert loop.is_alive
 
 
+def test_deltas_waiting_for_a_busy_caller_go_out_as_one(
+    async_engine: AsyncEngine, expected: list[list[int]]
+) -> None:
+    """A caller that comes for its deltas only after the request finished (a busy event
+    loop) gets them as one delta: every token, the text a prompt caller gets, the final
+    state; token-identical to `transformers` greedy."""
+    loop, engine = async_engine, async_engine.engine
+
+    async def run() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        request = engine.make_request(PROMPTS[1], GREEDY)
+        stream = loop.open_stream(request.request_id)
+        await loop.call_async(lambda: engine.add_request(request))
+        deadline = time.monotonic() + 60
+        while not await loop.call_async(lambda: request.is_finished):
+            assert time.monotonic() < deadline, "the request did not finish"
+            await asyncio.sleep(0.01)
+        assert stream.qsize() == MAX_TOKENS  # one delta a step, all waiting
+        late = [d async for d in loop.stream(request.request_id, stream)]
+        prompt = [d async for d in loop.generate(engine.make_request(PROMPTS[1], GREEDY))]
+        return late, prompt
+
+    late, prompt = asyncio.run(run())
+    assert len(late) == 1
+    (delta,) = late
+    assert delta.new_token_ids == expected[1] == [t for d in prompt for t in d.new_token_ids]
+    assert delta.new_text == "".join(d.new_text for d in prompt)
+    assert delta.finished and delta.finish_reason == "length"
+    assert delta.num_output_tokens == MAX_TOKENS
+    assert delta.new_logprobs == [p for d in prompt for p in d.new_logprobs]
+
+
+def test_a_failure_waiting_behind_deltas_is_not_merged(async_engine: AsyncEngine) -> None:
+    """Tokens queued before a failure still reach the caller, merged, then the failure."""
+    loop = async_engine
+
+    def delta(tokens: list[int], error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            "r", tokens, "x" * len(tokens), [], error is not None, None, 4, 0, error=error
+        )
+
+    async def run() -> tuple[list[int], BaseException | None]:
+        stream = loop.open_stream("r")
+        for item in (delta([1]), delta([2, 3]), delta([], error="boom"), delta([9])):
+            stream.put_nowait(item)
+        got: list[int] = []
+        try:
+            async for d in loop.stream("r", stream):
+                got.append(len(d.new_token_ids))
+        except RequestFailedError as exc:
+            return got, exc
+        return got, None
+
+    got, error = asyncio.run(run())
+    assert got == [3] and isinstance(error, RequestFailedError) and "boom" in str(error)
+
+
 # ---- replica stats and health ----------------------------------------------------------
 
 
