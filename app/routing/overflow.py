@@ -85,7 +85,10 @@ stood on the decode pool, and a conversation stays where its history is: in `ben
 compare`'s multi-turn runs 4-20 first turns of a point's 30 were placed before the first
 stats, all on the decode replica, which then carried their later turns too (BENCHMARKS.md,
 multi-turn). A pool still unreported `adaptive_prefill.max_age_s` after this ingress first
-looked for it counts as stale (its replicas never answered). Event loop only.
+found it so counts as stale (its replicas never answered), as does one that reported once
+and lost its stats since, or one with no running replica. Requests placed but not yet
+started (an admission wait between the two) are not counted in that window. Event loop
+only.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.config import PDServeConfig, PoolConfig
+from app.observability.cost import initial_replicas
 from app.routing.adaptive import SentSince
 from app.routing.history import History, cached_tokens, follow_prefix, prompt_computes
 from app.routing.pool_router import RouteDecision
@@ -174,14 +178,10 @@ class DecodeOverflow:
         self._prompts: Counter[str] = Counter()  # pool -> prompt tokens computing there
         self._max_whole_output = config.adaptive_prefill.serve_whole_max_output_tokens
         self._ties = 0  # short outputs placed among tied pools, which take them in turn
-        # A pool's replicas before its first stats (`_unseen`): its fixed count, or the
-        # autoscaling minimum Serve starts it with.
-        self._initial_replicas = {
-            pool.name: pool.num_replicas
-            or (pool.autoscaling.min_replicas if pool.autoscaling else 1)
-            for pool in config.pools
-        }
+        # A pool's replicas before its first stats (`_unseen`): the count it starts with.
+        self._initial_replicas = {pool.name: initial_replicas(pool) for pool in config.pools}
         self._first_look: dict[str, float] = {}  # pool -> when it was first found unreported
+        self._reported: set[str] = set()  # pools whose replicas have reported stats
 
     def started(self, pool: str, num_sequences: int) -> None:
         """The ingress started `num_sequences` streams on `pool` (its decode pool, or the
@@ -373,12 +373,17 @@ class DecodeOverflow:
     def _fresh(self, pool: str, now: float) -> PoolSnapshot | None:
         """The pool's snapshot if it has replicas reporting sequences and is recent; before
         its first such one (no snapshot, or replicas known without stats yet), `_unseen`
-        for `max_age_s` from the first look."""
+        for `max_age_s` from the first look that found it so. A pool that has reported
+        once and lost its stats since, or whose router knows no replica at all (none is
+        running), has no figures: the route stands."""
         snapshot = self._snapshot(pool)
         if snapshot is not None and any(
             s.get("num_sequences") is not None for s in snapshot.replicas.values()
         ):
+            self._reported.add(pool)
             return snapshot if now - snapshot.updated_at <= self._max_age_s else None
+        if pool in self._reported or (snapshot is not None and not snapshot.replicas):
+            return None
         first_look = self._first_look.setdefault(pool, now)
         if now - first_look > self._max_age_s:
             return None
@@ -389,7 +394,8 @@ class DecodeOverflow:
         """A pool whose replicas have not reported yet (module docstring): `num_replicas`
         (None: unknown, its initial count) idle as of now, so that what this ingress has
         running and computing there make its figures (`_sequences`, `_in_flight`); no
-        prefill rate (token gate)."""
+        prefill rate (token gate). As of now, not earlier: the sequences this ingress sent
+        since (`_sequences`) then add nothing, on purpose (module docstring)."""
         count = num_replicas or self._initial_replicas.get(pool, 1)
         replicas = {f"{pool}-unseen-{i}": {"num_sequences": 0} for i in range(count)}
         return PoolSnapshot(replicas, now)

@@ -11,7 +11,8 @@ point (GCS, raylet, and the workers the raylet starts). Each is named by its rol
 
 - `ServeReplica:<app>:<deployment>` -> the deployment (`ingress`, `prefill`, `decode`, ...),
   summed over its replicas;
-- `ProxyActor` -> `proxy`; this process -> `client` (the load generator);
+- `ProxyActor` -> `proxy`; this process -> `client` (the load generator, with the Ray
+  driver's own threads);
 - any other descendant -> `ray` (GCS, raylet, Serve's controller, the dashboard).
 
 `usage(before, after, num_requests, seconds)` is the difference of two readings: CPU ms per
@@ -29,15 +30,16 @@ _REPLICA = re.compile(r"ray::ServeReplica:[^:\s]+:([^.\s]+)")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of a live process, None when it is gone or unreadable."""
+def _stat(pid: int) -> tuple[int, float, int] | None:
+    """(parent pid, CPU seconds, start time in ticks) of a live process, None when it is
+    gone or unreadable."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             text = f.read()
-    except OSError:
+        fields = text[text.rfind(")") + 2 :].split()  # the name may hold spaces and parens
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S, int(fields[19])
+    except (OSError, ValueError, IndexError):
         return None
-    fields = text[text.rfind(")") + 2 :].split()  # the name may hold spaces and parens
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 def _role(pid: int, own: int) -> str:
@@ -54,38 +56,48 @@ def _role(pid: int, own: int) -> str:
     return "proxy" if "ProxyActor" in cmdline else "ray"
 
 
-def cpu_times() -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds so far) of this process and its descendants."""
+Process = tuple[int, int]  # (pid, start time): a pid the kernel reuses is another process
+
+
+def cpu_times() -> dict[Process, tuple[str, float]]:
+    """(pid, start time) -> (role, CPU seconds so far) of this process and its
+    descendants."""
     if not os.path.isdir("/proc"):
         return {}
     stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _stat(int(p)))}
     children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
+    for pid, (parent, _, _) in stats.items():
         children.setdefault(parent, []).append(pid)
     own = os.getpid()
-    found: dict[int, tuple[str, float]] = {}
-    stack = [own]
+    found: dict[Process, tuple[str, float]] = {}
+    stack, seen = [own], set()
     while stack:
         pid = stack.pop()
-        if pid in stats and pid not in found:
-            found[pid] = (_role(pid, own), stats[pid][1])
+        if pid in stats and pid not in seen:
+            seen.add(pid)
+            _, cpu_s, started = stats[pid]
+            found[(pid, started)] = (_role(pid, own), cpu_s)
             stack.extend(children.get(pid, ()))
     return found
 
 
 def usage(
-    before: Mapping[int, tuple[str, float]],
-    after: Mapping[int, tuple[str, float]],
+    before: Mapping[Process, tuple[str, float]],
+    after: Mapping[Process, tuple[str, float]],
     num_requests: int,
     seconds: float,
 ) -> dict[str, Any]:
-    """CPU ms per request and cores used by role between two `cpu_times()` readings (a
-    process that started in between counts from 0; one that ended in between is lost, as
-    are its last seconds), with their totals."""
+    """CPU ms per request and cores used by role between two `cpu_times()` readings, with
+    their totals. A process that started in between counts from 0; one that changed role
+    in between (a Ray worker that became a replica) counts under its later role, or its
+    earlier one when the later is unknown (it was exiting); one that ended in between is
+    lost, with its last seconds."""
     used: dict[str, float] = {}
-    for pid, (role, cpu_s) in after.items():
-        start = before.get(pid)
-        used[role] = used.get(role, 0.0) + cpu_s - (start[1] if start and start[0] == role else 0.0)
+    for process, (role, cpu_s) in after.items():
+        earlier_role, earlier_s = before.get(process, (role, 0.0))
+        if role == "ray" and earlier_role != "ray":
+            role = earlier_role
+        used[role] = used.get(role, 0.0) + cpu_s - earlier_s
     roles = sorted(used, key=lambda role: -used[role])
     per_request = {role: round(1000 * used[role] / max(num_requests, 1), 2) for role in roles}
     cores = {role: round(used[role] / seconds, 3) if seconds > 0 else 0.0 for role in roles}
@@ -98,8 +110,9 @@ def usage(
 
 
 def mean_per_request(points: list[Mapping[str, Any]]) -> dict[str, float] | None:
-    """Each role's CPU ms per request averaged over the points that recorded it (each point
-    has the same number of requests), with `total`; None when none did."""
+    """Each role's CPU ms per request averaged over the points that recorded CPU at all
+    (each point has the same number of requests; a role missing from a point counts 0
+    there), with `total`; None when none did."""
     recorded = [p["cpu"]["cpu_ms_per_request"] for p in points if p.get("cpu")]
     if not recorded:
         return None

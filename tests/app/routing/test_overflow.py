@@ -410,6 +410,41 @@ def test_before_the_first_stats_a_pool_reads_as_this_ingress_own_streams() -> No
     )
 
 
+def test_a_pool_without_running_replicas_or_that_lost_its_stats_gets_no_whole_requests() -> None:
+    """Only a pool that has not reported yet reads as this ingress's own figures: one whose
+    router knows no replica (none is running), or one that reported and then lost its stats
+    (its replicas replaced), leaves the route standing."""
+    loads = Loads()
+    loads.publish("decode", 6)
+    loads.view.update("prefill", [])  # no running replica
+    overflow = loads.overflow()
+    assert "no prefill pool that serves decode" in overflow.apply(LOCAL, 40, "").reason
+    loads.publish("prefill", 0)
+    assert overflow.apply(LOCAL, 40, "").decode_pool == "prefill"
+    loads.view.update("prefill", [("prefill-new", {})])  # replaced, no stats yet
+    assert "no prefill pool that serves decode" in overflow.apply(LOCAL, 40, "").reason
+
+
+def test_an_autoscaled_pool_before_its_first_stats_counts_its_minimum() -> None:
+    cfg = PDServeConfig.model_validate(
+        {
+            "pools": [
+                {"name": "prefill", "role": "prefill", "serves_decode": True},
+                {
+                    "name": "decode",
+                    "role": "decode",
+                    "autoscaling": {"min_replicas": 2, "max_replicas": 4},
+                },
+            ],
+            "adaptive_prefill": {"decode_overflow_gap": 0},
+        }
+    )
+    overflow = Loads().overflow(cfg)
+    overflow.started("decode", 1)
+    route = overflow.apply(REMOTE, 900, "")
+    assert "decode load 1.5 on decode vs 1.0 on prefill" in route.reason
+
+
 def test_apply_leaves_routes_on_stale_loads() -> None:
     loads = Loads()
     overflow = loads.overflow()

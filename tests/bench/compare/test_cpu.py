@@ -39,8 +39,9 @@ def burner(seconds: float, title: str) -> subprocess.Popen[str]:
 
 def test_usage_names_each_descendant_by_its_role() -> None:
     before = cpu_times()
-    assert before[os.getpid()][0] == "client"
-    assert 1 not in before or os.getpid() == 1  # only this process and its descendants
+    roles = {pid: role for (pid, _), (role, _) in before.items()}
+    assert roles[os.getpid()] == "client"
+    assert 1 not in roles or os.getpid() == 1  # only this process and its descendants
     children = [
         burner(0.3, "ray::ServeReplica:pdserve:decode.generate"),
         burner(0.2, "ray::ServeReplica:pdserve:decode"),
@@ -64,14 +65,25 @@ def test_usage_names_each_descendant_by_its_role() -> None:
     assert used["cores"]["decode"] == pytest.approx(per_request["decode"] * 10 / 1000 / 2.0)
 
 
-def test_a_process_gone_or_new_between_readings() -> None:
-    """One that started in between counts from zero; readings of another role under a
-    reused pid count from zero too."""
-    before = {10: ("decode", 5.0), 11: ("proxy", 1.0)}
-    after = {10: ("decode", 5.5), 12: ("ingress", 0.25), 11: ("decode", 0.5)}
+def test_processes_new_reused_renamed_or_gone_between_readings() -> None:
+    """New (or a reused pid: another start time) counts from zero; a worker that became a
+    replica counts under its new role from its earlier reading; one exiting (its command
+    line unreadable: `ray`) keeps its role; one gone is lost."""
+    before = {
+        (10, 1): ("decode", 5.0),
+        (11, 1): ("ray", 1.0),  # an idle Ray worker
+        (12, 1): ("proxy", 2.0),  # exiting by the second reading
+        (13, 1): ("prefill", 9.0),  # gone
+    }
+    after = {
+        (10, 1): ("decode", 5.5),
+        (11, 1): ("ingress", 1.25),
+        (12, 1): ("ray", 2.5),
+        (13, 7): ("decode", 0.5),  # the pid again, another process
+    }
     used = usage(before, after, num_requests=5, seconds=1.0)
-    assert used["cpu_ms_per_request"] == {"decode": 200.0, "ingress": 50.0}
-    assert used["total_cores"] == 1.25
+    assert used["cpu_ms_per_request"] == {"decode": 200.0, "ingress": 50.0, "proxy": 100.0}
+    assert used["total_cores"] == 1.75
 
 
 def test_mean_per_request_over_points() -> None:
