@@ -29,6 +29,12 @@ class CpuInfo:
         return self.x86_64 and "avx512f" in self.flags
 
     @property
+    def avx2_fma(self) -> bool:
+        """256-bit vectors with fused multiply-add (x86-64 since Haswell and Zen; also what a
+        hypervisor that hides AVX-512 leaves)."""
+        return self.x86_64 and {"avx2", "fma"} <= self.flags
+
+    @property
     def amx_bf16(self) -> bool:
         """AMX tiles with bfloat16 products (Intel Sapphire Rapids and later)."""
         return self.x86_64 and {"amx_tile", "amx_bf16"} <= self.flags

@@ -13,7 +13,8 @@ is one). Where the chains fall differs (`ORDERS`):
 
 - Intel (AVX-512 Xeons): the range is cut in halves (the first half the shorter one) until
   a part has at most 384 terms;
-- AMD (Zen 4, AVX-512): runs of 192 terms from `k = 0`.
+- AMD (Zen 4, with AVX-512 or with it hidden by a hypervisor, MKL's AVX2 path): runs of
+  192 terms from `k = 0`.
 
 At load the kernel finds which: it runs torch's `F.linear` (what `transformers` runs) and
 itself under each known order on a probe, and keeps the order that is equal bit for bit
@@ -25,8 +26,9 @@ and results differ in the last bits, as oneDNN's would everywhere.
 Layout (`pack`): the `[in, out]` weight is cut into blocks of `BLOCK_COLS` output columns,
 each stored contiguously as `[in, BLOCK_COLS]` (the last block zero-padded), so one block's
 columns stream from memory as one run, and a tile of 8 rows by 48 columns keeps its 24
-accumulators in registers. Threads (OpenMP, torch's runtime) take column blocks; rows go
-in chunks that stay in L2 while a thread's blocks pass over them.
+accumulators in AVX-512's 32 vector registers (with AVX2's 16: 6 rows by 16 columns, 12
+accumulators; the sums are the same). Threads (OpenMP, torch's runtime) take column
+blocks; rows go in chunks that stay in L2 while a thread's blocks pass over them.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from engine.kernels.cpu_info import cpu_info
 from engine.kernels.native import kernel_source, labelled, load_library
 
 BLOCK_COLS = 48
-# MKL's orders (chain length, halves or runs): Intel AVX-512 Xeons, AMD Zen 4
+# MKL's orders (chain length, halves or runs): Intel AVX-512 Xeons, AMD Zen 4 (AVX-512 or AVX2)
 ORDERS = ((384, True), (192, False))
 # probe of `_find_order`: rows, and reduction lengths on which the orders differ
 _PROBE_ROWS = 16
@@ -55,7 +57,8 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not cpu_info().avx512:
+    info = cpu_info()
+    if not (info.avx512 or info.avx2_fma):
         return None
     # the sums' order is the point: no reassociation of the pairwise adds
     lib = load_library("gemm_f32", _SOURCE, ("-fno-associative-math", "-ffp-contract=off"))
@@ -115,8 +118,8 @@ def _find_order(lib: ctypes.CDLL) -> tuple[int, bool] | None:
 
 
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The C kernel with MKL's order set (built on first call), or None: no AVX-512, no
-    compiler, not Linux, or torch sums in an order the kernel does not know."""
+    """The C kernel with MKL's order set (built on first call), or None: neither AVX-512 nor
+    AVX2 with FMA, no compiler, not Linux, or torch sums in an order the kernel does not know."""
     if order() is None:
         return None
     lib = _library()
@@ -124,8 +127,8 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def available() -> bool:
-    """Whether `gemm` runs here: x86-64 with AVX-512, a C compiler, and torch's float32
-    matmul in a known order (`order`)."""
+    """Whether `gemm` runs here: x86-64 with AVX-512 or AVX2 and
+    FMA, a C compiler, and torch's float32 matmul in a known order (`order`)."""
     return _kernel() is not None
 
 
