@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.batch.jobs import JobShape, offline_tok_s, with_threads
 from bench.batch.main import plan_args, wait_idle
-from bench.overload.cost import cpu_seconds
+from bench.serve.cpu import cpu_seconds
 from bench.serve.deploy import add_app_arguments, running_app
 
 

@@ -51,10 +51,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.compare import cpu, quiet, report, store
+from bench.compare import quiet, report, store
 from bench.compare.run import ConfigRun
 from bench.compare.store import Slos, resumed, settings, slo_section
 from bench.goodput.sweep import add_sweep_args
+from bench.serve import cpu
 from bench.serve.deploy import app_args, free_port
 from bench.serve.metrics import finite_or_none
 from bench.serve.workloads import add_workload_args, describe_workload

@@ -9,7 +9,7 @@ the knee search, measured one rate point per deployment.
 - the next rate the search asks for: exactly `--requests-per-point` requests, the same ones
   for the k-th point of every config at a seed (`point_seed`), with a Wilson interval on
   the attainment (`point`) and the CPU each part of the deployment used per request
-  (`bench/compare/cpu.py`);
+  (`bench/serve/cpu.py`);
 - on its last, isolated TTFT/TPOT and the load average again (`drift`).
 
 One point per deployment lets `bench/compare/main.py` take the configs in turn, point by point:
@@ -33,10 +33,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.compare import cpu, quiet
+from bench.compare import quiet
 from bench.compare.store import SloPlan, Slos
 from bench.goodput.knee import KneeStepper
 from bench.goodput.stats import wilson_interval
+from bench.serve import cpu
 from bench.serve.deploy import app_args, free_port, running_app
 from bench.serve.loadgen import RunResult, Target, run_load_sync, run_report
 from bench.serve.metrics import SLO, meets_slo

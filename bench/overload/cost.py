@@ -12,11 +12,13 @@ overload` uses), for the two kinds of request a `bench overload` run is made of:
   `--prompt-tokens` prompt (default 128) by the config's interactive tenant.
 
 Each path sends `--requests` requests, `--concurrency` at a time, after a warm-up, and reads
-every process's CPU time (user + system, `/proc/<pid>/stat`) before and after. CPU time is
+the CPU time (user + system) of this process and of the private Ray instance it started
+before and after, by role (`bench.serve.cpu`: `proxy`, each deployment, `ray` for Ray's and
+Serve's other processes, `client` for this one). CPU time is
 far less noisy than wall time on a shared host; it still includes whatever else a process
 did meanwhile (Serve's health checks and metrics pushes: small next to these figures). The
-load generator is this process, which is also the Ray driver: its figure includes the
-driver's own threads, so it is an upper bound of the client's cost.
+load generator (`client`) is this process, which is also the Ray driver: its figure
+includes the driver's own threads, so it is an upper bound of the client's cost.
 
     python -m bench.overload.cost --config cpu-tenants --requests 300 --json out.json
 
@@ -41,11 +43,11 @@ import numpy as np
 from bench.overload.load import client_session, send
 from bench.overload.plan import ClassPlan, class_plans
 from bench.overload.report import ClassSLO, Record
+from bench.serve import cpu
 from bench.serve.deploy import RunningApp, add_app_arguments, app_args, free_port, running_app
 from bench.serve.workloads import make_prompt
 
 CAPPED_KEY = "sk-capped-overload-cost"
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def with_capped_tenant(args: dict[str, Any]) -> dict[str, Any]:
@@ -56,41 +58,6 @@ def with_capped_tenant(args: dict[str, Any]) -> dict[str, Any]:
         "quota": {"requests_per_second": 0.0001, "request_burst": 1},
     }
     return {**args, "tenants": [*(args.get("tenants") or []), capped]}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def serve_processes() -> dict[str, int]:
-    """Role -> pid of this Ray instance's Serve processes (proxy, replicas, ledger)."""
-    from ray._private import state
-
-    roles: dict[str, int] = {}
-    for info in state.actors(actor_state_name="ALIVE").values():
-        pid = int(info.get("Pid") or 0)
-        name = str(info.get("Name") or "")
-        cls = str(info.get("ActorClassName") or "")
-        if not pid:
-            continue
-        if cls == "ProxyActor":
-            roles["proxy"] = pid
-        elif name.startswith("SERVE_REPLICA::"):
-            roles[name.split("#")[1]] = pid
-        elif name.startswith("SERVE_CONTROLLER"):
-            roles["controller"] = pid
-        elif cls:
-            roles[cls] = pid
-    return roles
-
-
-def _cpu(pids: dict[str, int]) -> dict[str, float]:
-    times = {role: cpu_seconds(pid) for role, pid in pids.items()}
-    times["load generator"] = time.process_time()
-    return times
 
 
 async def _drive(
@@ -118,10 +85,9 @@ def measure(
     warm = [make_prompt(plan.prompt_tokens, rng) for _ in range(max(4, concurrency))]
     asyncio.run(_drive(app, plan, warm, concurrency))
     prompts = [make_prompt(plan.prompt_tokens, rng) for _ in range(num_requests)]
-    pids = serve_processes()
-    before, wall = _cpu(pids), time.monotonic()
+    before, wall = cpu.cpu_times(), time.monotonic()
     records = asyncio.run(_drive(app, plan, prompts, concurrency))
-    after, wall = _cpu(pids), time.monotonic() - wall
+    after, wall = cpu.cpu_times(), time.monotonic() - wall
     outcomes: dict[str, int] = {}
     for r in records:
         key = f"{r.outcome} {r.status}" + (f" {r.code}" if r.code else "")
@@ -131,9 +97,7 @@ def measure(
         "concurrency": concurrency,
         "wall_s": round(wall, 2),
         "outcomes": outcomes,
-        "cpu_ms_per_request": {
-            role: round((after[role] - before[role]) * 1000 / num_requests, 2) for role in after
-        },
+        **cpu.usage(before, after, num_requests, wall),
     }
 
 

@@ -1,13 +1,15 @@
-"""Where a rate point's CPU went: the CPU time each part of the deployment used, per request.
+"""Where a benchmark's CPU went: the CPU time each part of the deployment used, per request.
 
 On a small host every process of the deployment shares the same cores: Serve's proxy, the
-ingress, each pool's replicas, Ray's own daemons and this load generator. A config that
+ingress, each pool's replicas, Ray's own daemons and the load generator. A config that
 saturates first may do more work per request, or the same work placed worse; the CPU time
-each part used over a point, divided by its requests, tells the two apart.
+each part used, divided by the requests, tells the two apart (`bench compare` per rate
+point, `python -m bench.overload.cost` per kind of request).
 
 `cpu_times()` reads, from `/proc`, the CPU time (user + system) of this process and of
-every process descended from it: the private Ray instance `bench compare` starts for each
-point (GCS, raylet, and the workers the raylet starts). Each is named by its role:
+every process descended from it: the private Ray instance the benchmark started
+(`bench.serve.deploy.running_app`: GCS, raylet, and the workers the raylet starts). Each
+is named by its role:
 
 - `ServeReplica:<app>:<deployment>` -> the deployment (`ingress`, `prefill`, `decode`, ...),
   summed over its replicas;
@@ -17,6 +19,7 @@ point (GCS, raylet, and the workers the raylet starts). Each is named by its rol
 
 `usage(before, after, num_requests, seconds)` is the difference of two readings: CPU ms per
 request and cores used, by role. Linux only; elsewhere the readings are empty.
+`cpu_seconds(pid)` is one process's CPU time so far.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ def _stat(pid: int) -> tuple[int, float, int] | None:
         return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S, int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far; OSError when it is gone."""
+    stat = _stat(pid)
+    if stat is None:
+        raise ProcessLookupError(f"no readable process {pid}")
+    return stat[1]
 
 
 def _role(pid: int, own: int) -> str:

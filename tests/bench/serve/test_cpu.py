@@ -1,4 +1,4 @@
-"""CPU time by role (`bench/compare/cpu.py`): real child processes named as Serve names its
+"""CPU time by role (`bench/serve/cpu.py`): real child processes named as Serve names its
 actors, each burning a known share of the CPU, read from `/proc`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.compare.cpu import cpu_times, mean_per_request, usage
+from bench.serve.cpu import cpu_times, mean_per_request, usage
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 
