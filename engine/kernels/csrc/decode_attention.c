@@ -26,6 +26,13 @@ static inline __attribute__((always_inline)) void store(void* p, int64_t i, floa
     else ((float*)p)[i] = f;
 }
 
+/* Sequence s's output rows `[H, D]` from the float32 sums `acc` (bfloat16: rounded). */
+static inline __attribute__((always_inline)) void store_out(
+    const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s, const float* acc) {
+    const int64_t n = a->num_heads * head_dim;
+    for (int64_t i = 0; i < n; i++) store(a->out, s * n + i, acc[i], bf16);
+}
+
 /* Scores `sc[0:n]` whose largest is `max` -> their softmax, in place. */
 static inline void normalize(float* restrict sc, int64_t n, float max) {
     float sum = 0.f;
@@ -101,8 +108,44 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    const int64_t o0 = s * num_heads * head_dim;
-    for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
+    store_out(a, bf16, head_dim, s, acc);
+}
+
+/* What every vectorized `attend_*` reads of sequence `s`, computed once; `seq_begin` also
+   writes its scaled queries into `qf` `[H, D]` and brings its first two K blocks into L2
+   whole (before any work to overlap: blocks sit at random addresses, where the hardware
+   prefetcher cannot follow). */
+typedef struct {
+    int64_t num_heads, num_kv_heads, group, kv_stride, block_size, esize, block_bytes;
+    int64_t seq_len, num_blocks, row_bytes; /* row_bytes: one kv head's K or V row */
+    const int64_t* table;
+    const char *kc, *vc;
+} pd_seq;
+
+static inline __attribute__((always_inline)) pd_seq seq_begin(
+    const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s, float* restrict qf) {
+    pd_seq v;
+    v.num_heads = a->num_heads;
+    v.num_kv_heads = a->num_kv_heads;
+    v.group = v.num_heads / v.num_kv_heads;
+    v.kv_stride = v.num_kv_heads * head_dim;
+    v.block_size = a->block_size;
+    v.esize = bf16 ? 2 : 4;
+    v.block_bytes = v.block_size * v.kv_stride * v.esize;
+    v.seq_len = a->seq_lens[s];
+    v.num_blocks = (v.seq_len + v.block_size - 1) / v.block_size;
+    v.row_bytes = head_dim * v.esize;
+    v.table = a->block_tables + s * a->table_stride;
+    v.kc = (const char*)a->k_cache;
+    v.vc = (const char*)a->v_cache;
+    for (int64_t h = 0; h < v.num_heads; h++)
+        for (int64_t d = 0; d < head_dim; d++)
+            qf[h * head_dim + d] =
+                load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
+    for (int64_t b = 0; b < 2 && b < v.num_blocks; b++)
+        for (int64_t off = 0; off < v.block_bytes; off += 64)
+            __builtin_prefetch(v.kc + v.table[b] * v.block_bytes + off, 0, 2);
+    return v;
 }
 
 #if defined(__AVX512F__)
@@ -141,27 +184,13 @@ static inline __attribute__((always_inline)) void attend_avx512(
     const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
     float* restrict scores, float* restrict acc, float* restrict qf,
     float* restrict ktile /* [16, head_dim] */) {
-    const int64_t num_heads = a->num_heads;
-    const int64_t num_kv_heads = a->num_kv_heads;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t kv_stride = num_kv_heads * head_dim;
-    const int64_t block_size = a->block_size;
-    const int64_t esize = bf16 ? 2 : 4;
-    const int64_t block_bytes = block_size * kv_stride * esize;
-    const int64_t seq_len = a->seq_lens[s];
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    const int64_t* table = a->block_tables + s * a->table_stride;
+    const pd_seq v = seq_begin(a, bf16, head_dim, s, qf);
+    const int64_t num_heads = v.num_heads, num_kv_heads = v.num_kv_heads, group = v.group;
+    const int64_t kv_stride = v.kv_stride, block_size = v.block_size, esize = v.esize;
+    const int64_t block_bytes = v.block_bytes, seq_len = v.seq_len, num_blocks = v.num_blocks;
+    const int64_t row_bytes = v.row_bytes, *table = v.table;
+    const char *kc = v.kc, *vc = v.vc;
     const int64_t chunks = head_dim / 16;
-    const char* kc = (const char*)a->k_cache;
-    const char* vc = (const char*)a->v_cache;
-    for (int64_t h = 0; h < num_heads; h++)
-        for (int64_t d = 0; d < head_dim; d++)
-            qf[h * head_dim + d] =
-                load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
-    const int64_t row_bytes = head_dim * esize;
-    for (int64_t b = 0; b < 2 && b < num_blocks; b++)
-        for (int64_t off = 0; off < block_bytes; off += 64)
-            __builtin_prefetch(kc + table[b] * block_bytes + off, 0, 2);
     for (int64_t b = 0; b < num_blocks; b++) {
         /* (the first two K blocks came into L2 whole, above, before any work to overlap)
            blocks sit at random addresses, where the hardware prefetcher cannot follow. While
@@ -287,8 +316,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
             }
         }
     }
-    const int64_t o0 = s * num_heads * head_dim;
-    for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
+    store_out(a, bf16, head_dim, s, acc);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -365,26 +393,12 @@ static inline __attribute__((always_inline)) void attend_avx2(
     const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
     float* restrict scores, float* restrict acc, float* restrict qf,
     float* restrict ktile /* [4, head_dim] */) {
-    const int64_t num_heads = a->num_heads;
-    const int64_t num_kv_heads = a->num_kv_heads;
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t kv_stride = num_kv_heads * head_dim;
-    const int64_t block_size = a->block_size;
-    const int64_t esize = bf16 ? 2 : 4;
-    const int64_t block_bytes = block_size * kv_stride * esize;
-    const int64_t seq_len = a->seq_lens[s];
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    const int64_t* table = a->block_tables + s * a->table_stride;
-    const char* kc = (const char*)a->k_cache;
-    const char* vc = (const char*)a->v_cache;
-    for (int64_t h = 0; h < num_heads; h++)
-        for (int64_t d = 0; d < head_dim; d++)
-            qf[h * head_dim + d] =
-                load(a->q, s * a->q_seq_stride + h * a->q_head_stride + d, bf16) * a->scale;
-    const int64_t row_bytes = head_dim * esize;
-    for (int64_t b = 0; b < 2 && b < num_blocks; b++)
-        for (int64_t off = 0; off < block_bytes; off += 64)
-            __builtin_prefetch(kc + table[b] * block_bytes + off, 0, 2);
+    const pd_seq v = seq_begin(a, bf16, head_dim, s, qf);
+    const int64_t num_heads = v.num_heads, num_kv_heads = v.num_kv_heads, group = v.group;
+    const int64_t kv_stride = v.kv_stride, block_size = v.block_size, esize = v.esize;
+    const int64_t block_bytes = v.block_bytes, seq_len = v.seq_len, num_blocks = v.num_blocks;
+    const int64_t row_bytes = v.row_bytes, *table = v.table;
+    const char *kc = v.kc, *vc = v.vc;
     for (int64_t b = 0; b < num_blocks; b++) {
         /* the same rows of the K block two ahead come into L2 while this one is scored, a
            few lines per key; V is read ahead a block at a time in the P.V pass (also
@@ -472,8 +486,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
             }
         }
     }
-    const int64_t o0 = s * num_heads * head_dim;
-    for (int64_t i = 0; i < num_heads * head_dim; i++) store(a->out, o0 + i, acc[i], bf16);
+    store_out(a, bf16, head_dim, s, acc);
 }
 #endif
 
