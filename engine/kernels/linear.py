@@ -2,9 +2,10 @@
 
 `packing` picks, per weight, one of three packed forms (or none):
 
-- `"f32"`: float32 on x86-64 with AVX-512, the C GEMM of `engine.kernels.gemm_f32`, which
-  sums in the order of MKL's on this CPU (so float32 greedy output stays token-identical
-  to `transformers`) and streams a decode step's weights at several times MKL's rate.
+- `"f32"`: float32 on x86-64 with AVX-512 or AVX2 and FMA, the C GEMM of
+  `engine.kernels.gemm_f32`, which sums in the order of MKL's on this CPU (so float32
+  greedy output stays token-identical to `transformers`) and streams a decode step's
+  weights at several times MKL's rate.
 - `"bf16"`: bfloat16 on x86-64 with AMX or AVX512-BF16, the C GEMM of
   `engine.kernels.gemm_bf16`, which the fused decode step calls from C (oneDNN's opaque
   layout only torch can call).

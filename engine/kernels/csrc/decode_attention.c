@@ -184,12 +184,12 @@ static inline __attribute__((always_inline)) void attend_avx512(
     const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
     float* restrict scores, float* restrict acc, float* restrict qf,
     float* restrict ktile /* [16, head_dim] */) {
-    const pd_seq v = seq_begin(a, bf16, head_dim, s, qf);
-    const int64_t num_heads = v.num_heads, num_kv_heads = v.num_kv_heads, group = v.group;
-    const int64_t kv_stride = v.kv_stride, block_size = v.block_size, esize = v.esize;
-    const int64_t block_bytes = v.block_bytes, seq_len = v.seq_len, num_blocks = v.num_blocks;
-    const int64_t row_bytes = v.row_bytes, *table = v.table;
-    const char *kc = v.kc, *vc = v.vc;
+    const pd_seq sq = seq_begin(a, bf16, head_dim, s, qf);
+    const int64_t num_heads = sq.num_heads, num_kv_heads = sq.num_kv_heads, group = sq.group;
+    const int64_t kv_stride = sq.kv_stride, block_size = sq.block_size, esize = sq.esize;
+    const int64_t block_bytes = sq.block_bytes, seq_len = sq.seq_len;
+    const int64_t num_blocks = sq.num_blocks, row_bytes = sq.row_bytes, *table = sq.table;
+    const char *kc = sq.kc, *vc = sq.vc;
     const int64_t chunks = head_dim / 16;
     for (int64_t b = 0; b < num_blocks; b++) {
         /* (the first two K blocks came into L2 whole, above, before any work to overlap)
@@ -318,7 +318,9 @@ static inline __attribute__((always_inline)) void attend_avx512(
     }
     store_out(a, bf16, head_dim, s, acc);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 /* 8 elements (float32 or bfloat16) as float32 */
@@ -382,7 +384,7 @@ static inline __attribute__((always_inline)) void weigh(
 }
 
 /* `attend_avx512`'s plan with AVX2 (256-bit vectors, 16 registers; also what a hypervisor
-   that hides AVX-512 leaves): per kv head, up to 3 heads of its group at a time, scores of
+   that hides AVX-512 leaves; where AVX-512 runs, the shapes its path does not take): per kv head, up to 3 heads of its group at a time, scores of
    4 keys per pass and P.V over 32 dimensions per pass, 12 sums in registers either way, so
    each K or V vector loaded serves up to 3 heads (30 layers of `small`, 16 sequences of
    320 positions: ~14 ms against ~17 for the plain loop `attend`; one dot product at a
@@ -393,12 +395,12 @@ static inline __attribute__((always_inline)) void attend_avx2(
     const pd_decode_args* a, int bf16, const int64_t head_dim, int64_t s,
     float* restrict scores, float* restrict acc, float* restrict qf,
     float* restrict ktile /* [4, head_dim] */) {
-    const pd_seq v = seq_begin(a, bf16, head_dim, s, qf);
-    const int64_t num_heads = v.num_heads, num_kv_heads = v.num_kv_heads, group = v.group;
-    const int64_t kv_stride = v.kv_stride, block_size = v.block_size, esize = v.esize;
-    const int64_t block_bytes = v.block_bytes, seq_len = v.seq_len, num_blocks = v.num_blocks;
-    const int64_t row_bytes = v.row_bytes, *table = v.table;
-    const char *kc = v.kc, *vc = v.vc;
+    const pd_seq sq = seq_begin(a, bf16, head_dim, s, qf);
+    const int64_t num_heads = sq.num_heads, num_kv_heads = sq.num_kv_heads, group = sq.group;
+    const int64_t kv_stride = sq.kv_stride, block_size = sq.block_size, esize = sq.esize;
+    const int64_t block_bytes = sq.block_bytes, seq_len = sq.seq_len;
+    const int64_t num_blocks = sq.num_blocks, row_bytes = sq.row_bytes, *table = sq.table;
+    const char *kc = sq.kc, *vc = sq.vc;
     for (int64_t b = 0; b < num_blocks; b++) {
         /* the same rows of the K block two ahead come into L2 while this one is scored, a
            few lines per key; V is read ahead a block at a time in the P.V pass (also
@@ -518,7 +520,8 @@ static inline __attribute__((always_inline)) int run(const pd_decode_args* a, in
                 else attend_avx512(a, bf16, d, s, scores, acc, qf, ktile);
                 continue;
             }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+#if defined(__AVX2__) && defined(__FMA__) /* also where AVX-512 runs, for its other shapes */
             if (d % 8 == 0 && a->block_size % 4 == 0) {
                 float* ktile = qf + num_heads * d;
                 if (d == 64) attend_avx2(a, bf16, 64, s, scores, acc, qf, ktile);
