@@ -40,10 +40,15 @@ class CpuInfo:
         return self.x86_64 and {"amx_tile", "amx_bf16"} <= self.flags
 
     @property
+    def avx512_bf16(self) -> bool:
+        """`vdpbf16ps` (AMD Zen 4 and later, Intel Cooper Lake and later)."""
+        return self.avx512 and "avx512_bf16" in self.flags
+
+    @property
     def bf16_products(self) -> bool:
         """bfloat16 products in hardware (AMX or AVX512-BF16): without them (x86-64 only)
         torch and oneDNN emulate bfloat16 matmuls, far slower than float32."""
-        return self.amx_bf16 or (self.avx512 and "avx512_bf16" in self.flags)
+        return self.amx_bf16 or self.avx512_bf16
 
     def identity(self) -> str:
         """The model and its flags: a library built with -march=native runs only where

@@ -53,8 +53,7 @@ KERNEL_ENV = "PDSERVE_BF16_GEMM"
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The C kernels (built on first call), or None where neither can run here."""
-    info = cpu_info()
-    if not (info.avx512 and "avx512_bf16" in info.flags):
+    if not cpu_info().avx512_bf16:
         return None
     lib = load_library("gemm_bf16", _SOURCE, ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
     if lib is None:
